@@ -1,0 +1,156 @@
+"""The netdist exception tree.
+
+Every failure netdist reports is one of these; OS and asyncio exceptions
+(``ConnectionResetError``, ``asyncio.IncompleteReadError``, ...) are translated at
+the transport boundary and never escape to callers.
+
+::
+
+    NetdistError
+    ├── ConfigError (ValueError)            bad configuration or environment
+    ├── ProtocolError
+    │   ├── LocalProtocolError              we were asked to send something invalid
+    │   └── RemoteProtocolError             a peer sent bytes that are not a valid frame
+    ├── TransportError
+    │   ├── ConnectError                    could not reach a peer / the coordinator
+    │   │   └── AuthenticationError         handshake refused (token, job id, version, rank)
+    │   ├── PeerLostError                   a connected peer went away (EOF, reset, heartbeats)
+    │   └── TransportClosedError            the local transport was closed
+    ├── NetdistTimeoutError (TimeoutError)  a bounded wait expired
+    │   └── RendezvousTimeoutError          ranks never arrived at the coordinator
+    ├── RendezvousError                     duplicate ranks, world-size mismatch
+    ├── CollectiveError                     collective misuse or a remote rank's failure
+    │   └── NotInGroupError                 calling into a group this rank is not part of
+    ├── ParameterServerError                a server or worker failed or misbehaved
+    ├── PipelineError                       invalid pipeline configuration or schedule
+    └── CheckpointError
+        ├── CheckpointNotFoundError         no complete checkpoint / missing shard file
+        ├── CheckpointCorruptError          checksum mismatch, truncated or unreadable file
+        ├── CheckpointVersionError          written by a newer format version
+        └── CheckpointMismatchError         dtype / shape / world-size mismatch against a target
+
+Messages state facts with context: which operation, which peer, which tag, how long.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NetdistError",
+    "ConfigError",
+    "ProtocolError",
+    "LocalProtocolError",
+    "RemoteProtocolError",
+    "TransportError",
+    "ConnectError",
+    "AuthenticationError",
+    "PeerLostError",
+    "TransportClosedError",
+    "NetdistTimeoutError",
+    "RendezvousTimeoutError",
+    "RendezvousError",
+    "CollectiveError",
+    "NotInGroupError",
+    "ParameterServerError",
+    "PipelineError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "CheckpointVersionError",
+    "CheckpointMismatchError",
+]
+
+
+class NetdistError(Exception):
+    """Root of every exception netdist raises on purpose."""
+
+
+class ConfigError(NetdistError, ValueError):
+    """Invalid configuration: arguments, environment variables or limits."""
+
+
+class ProtocolError(NetdistError):
+    """The wire protocol was violated."""
+
+
+class LocalProtocolError(ProtocolError):
+    """We were asked to encode something the protocol cannot carry (bad dtype, too large)."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """A peer sent bytes that do not form a valid frame; the connection is closed."""
+
+
+class TransportError(NetdistError):
+    """A connection-level failure."""
+
+
+class ConnectError(TransportError):
+    """A peer or the coordinator could not be reached."""
+
+
+class AuthenticationError(ConnectError):
+    """The handshake was refused: wrong token, job id, protocol version or rank."""
+
+
+class PeerLostError(TransportError):
+    """A connected peer went away; every pending and later operation on it fails."""
+
+    def __init__(self, rank: int, message: str | None = None) -> None:
+        self.rank = rank
+        super().__init__(message or f"lost connection to rank {rank}")
+
+
+class TransportClosedError(TransportError):
+    """The local transport was closed while (or before) the operation ran."""
+
+
+class NetdistTimeoutError(NetdistError, TimeoutError):
+    """A bounded wait expired. The message names operation, peer, tag and elapsed time."""
+
+
+class RendezvousTimeoutError(NetdistTimeoutError):
+    """Not every rank reached the coordinator in time; ``missing`` lists the absent ranks."""
+
+    def __init__(self, message: str, missing: tuple[int, ...] = ()) -> None:
+        self.missing = missing
+        super().__init__(message)
+
+
+class RendezvousError(NetdistError):
+    """The ranks that arrived cannot form a job: duplicates or a world-size mismatch."""
+
+
+class CollectiveError(NetdistError):
+    """A collective was misused, or failed on another rank."""
+
+
+class NotInGroupError(CollectiveError):
+    """This rank called into a group it is not a member of."""
+
+
+class ParameterServerError(NetdistError):
+    """A parameter server or one of its workers failed or broke the protocol."""
+
+
+class PipelineError(NetdistError):
+    """Invalid pipeline configuration, or a stage failed."""
+
+
+class CheckpointError(NetdistError):
+    """A checkpoint could not be written or read."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No complete checkpoint where one was expected, or a shard file is missing."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A shard or metadata file is truncated, unreadable or fails its checksum."""
+
+
+class CheckpointVersionError(CheckpointError):
+    """The checkpoint was written by a newer, unknown format version."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint does not match the target: dtype, shape or world size."""

@@ -1,0 +1,108 @@
+"""The transport contract every layer above is written against.
+
+A ``Transport`` moves bytes and NumPy arrays between the ranks of one job:
+
+- messages between a pair of ranks on one tag arrive in the order sent; different tags
+  are independent, so several collectives may be in flight at once;
+- ``recv(..., out=arr)`` lands the payload directly in ``arr``; a message that arrives
+  before its ``recv`` is posted is held and copied once;
+- every wait is bounded: a timeout raises ``NetdistTimeoutError`` naming the operation,
+  peer, tag and elapsed time; a lost peer fails every pending and later operation on it
+  with ``PeerLostError``;
+- ``aclose()`` is idempotent and completes even when the caller is cancelled.
+
+Tags are non-negative integers below ``MAX_TAG``. Small tags are free for applications;
+collectives allocate theirs from a per-group counter (see ``netdist.collectives``).
+"""
+
+from __future__ import annotations
+
+import abc
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Transport", "MAX_TAG", "as_payload_array"]
+
+MAX_TAG = 2**63 - 1
+
+
+def as_payload_array(data: Any) -> np.ndarray:
+    """View ``data`` (bytes-like or array) as a C-contiguous little-endian array.
+
+    Bytes-like objects become ``uint8`` arrays without a copy. Big-endian or
+    non-contiguous arrays are normalised with an explicit copy, because the wire carries
+    raw little-endian C-order bytes.
+    """
+    if isinstance(data, np.ndarray):
+        array = data
+    elif isinstance(data, (bytes, bytearray, memoryview)):
+        array = np.frombuffer(data, dtype=np.uint8)
+    else:
+        try:
+            array = np.asarray(data)
+        except Exception as exc:  # pragma: no cover - exotic objects
+            raise TypeError(f"cannot send object of type {type(data).__name__}") from exc
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"), order="C")
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return array
+
+
+class Transport(abc.ABC):
+    """Point-to-point messaging plus a barrier among ``world_size`` ranks."""
+
+    rank: int
+    world_size: int
+
+    @abc.abstractmethod
+    async def send(self, dst: int, data: Any, *, tag: int = 0,
+                   timeout: float | None = None) -> None:
+        """Send ``data`` (bytes-like or ndarray) to rank ``dst`` on ``tag``.
+
+        Returns once ``data``'s memory may be reused by the caller. On timeout or
+        cancellation the connection to ``dst`` may have carried a partial frame and is
+        failed, so the peer sees ``PeerLostError`` rather than corrupt data.
+        """
+
+    @abc.abstractmethod
+    async def recv(self, src: int, *, tag: int = 0, out: np.ndarray | None = None,
+                   timeout: float | None = None) -> np.ndarray:
+        """Receive the next message from ``src`` on ``tag``.
+
+        With ``out`` the payload lands in ``out`` (same byte size required; the element
+        type of ``out`` wins) and ``out`` is returned. Without it a new array with the
+        sender's dtype and shape is returned. On timeout or cancellation the posted
+        receive is withdrawn; a message that arrives later is kept for the next ``recv``.
+        """
+
+    @abc.abstractmethod
+    async def barrier(self, *, timeout: float | None = None) -> None:
+        """Wait until every rank has entered the barrier (dissemination, log2 n rounds)."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Close every connection and fail pending operations. Idempotent."""
+
+    @property
+    def closed(self) -> bool:
+        """True once ``aclose`` has started."""
+        return False
+
+    def check_peer(self, peer: int, what: str = "peer") -> None:
+        """Raise ``ValueError`` unless ``peer`` names another rank of this job."""
+        if not isinstance(peer, (int, np.integer)) or isinstance(peer, bool):
+            raise TypeError(f"{what} must be an int rank, got {type(peer).__name__}")
+        if not 0 <= peer < self.world_size:
+            raise ValueError(f"{what} {peer} is outside 0..{self.world_size - 1}")
+        if peer == self.rank:
+            raise ValueError(f"{what} {peer} is this rank; send/recv need another rank")
+
+    async def __aenter__(self) -> Transport:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()

@@ -1,0 +1,105 @@
+"""Connected transports inside one event loop, for unit tests of everything above.
+
+Sending copies the payload straight into the receiver's landing buffer (the posted
+``out=`` when there is one), so the semantics match ``TcpTransport``: ordered per
+(pair, tag), zero-copy-style receive into ``out=``, bounded waits, and closing one
+transport makes its peers see ``PeerLostError`` naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from netdist.errors import PeerLostError, TransportClosedError
+from netdist.transport.barrier import dissemination_barrier
+from netdist.transport.base import MAX_TAG, Transport, as_payload_array
+from netdist.transport.mailbox import PeerMailbox, byte_view
+
+__all__ = ["InProcessTransport"]
+
+
+class _Hub:
+    """The shared wiring of one in-process group: ``boxes[dst][src]``."""
+
+    def __init__(self, world_size: int) -> None:
+        self.transports: list[InProcessTransport] = []
+        self.boxes = [[PeerMailbox(src) for src in range(world_size)]
+                      for _ in range(world_size)]
+
+
+class InProcessTransport(Transport):
+    """One rank of an in-process group; build a whole group with ``create_group(n)``."""
+
+    def __init__(self, hub: _Hub, rank: int, world_size: int, timeout: float) -> None:
+        self._hub = hub
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self._closed = False
+
+    @classmethod
+    def create_group(cls, world_size: int, *, timeout: float = 30.0) -> list[InProcessTransport]:
+        """Return ``world_size`` connected transports, rank i at index i."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        hub = _Hub(world_size)
+        hub.transports = [cls(hub, rank, world_size, timeout) for rank in range(world_size)]
+        return list(hub.transports)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise TransportClosedError(f"{op} on rank {self.rank}: transport is closed")
+
+    @staticmethod
+    def _check_tag(tag: int) -> None:
+        if not isinstance(tag, (int, np.integer)) or not 0 <= tag <= MAX_TAG:
+            raise ValueError(f"tag must be an int in 0..2**63-1, got {tag!r}")
+
+    async def send(self, dst: int, data: Any, *, tag: int = 0,
+                   timeout: float | None = None) -> None:
+        self._check_open("send")
+        self.check_peer(dst, "dst")
+        self._check_tag(tag)
+        array = as_payload_array(data)
+        peer = self._hub.transports[dst]
+        if peer.closed:
+            raise PeerLostError(dst, f"send to rank {dst} (tag {tag}): rank {dst} has closed")
+        landing = self._hub.boxes[dst][self.rank].claim(int(tag), array.dtype, array.shape)
+        if array.nbytes:
+            landing.buffer[...] = byte_view(array)
+        landing.complete()
+        await asyncio.sleep(0)  # let receivers run, as a socket write would
+
+    async def recv(self, src: int, *, tag: int = 0, out: np.ndarray | None = None,
+                   timeout: float | None = None) -> np.ndarray:
+        self._check_open("recv")
+        self.check_peer(src, "src")
+        self._check_tag(tag)
+        box = self._hub.boxes[self.rank][src]
+        return await box.recv(int(tag), out, self.timeout if timeout is None else timeout)
+
+    async def barrier(self, *, timeout: float | None = None) -> None:
+        self._check_open("barrier")
+        await dissemination_barrier(self, self.timeout if timeout is None else timeout)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        rank = self.rank
+        for dst in range(self.world_size):
+            if dst != rank:
+                self._hub.boxes[dst][rank].fail(
+                    lambda: PeerLostError(rank, f"rank {rank} closed its transport"))
+        for src in range(self.world_size):
+            self._hub.boxes[rank][src].fail(
+                lambda: TransportClosedError(f"rank {rank}: transport is closed"))

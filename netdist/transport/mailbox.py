@@ -1,0 +1,195 @@
+"""Per-peer receive queues: match incoming frames to posted receives, by tag, in order.
+
+One ``PeerMailbox`` holds everything rank ``peer`` has sent us. A frame reader calls
+``claim()`` when a frame's header has arrived and gets a ``Landing``: the buffer its
+payload must be written into. If a ``recv`` is already posted for that tag with ``out=``,
+the buffer *is* ``out`` (zero-copy receive); otherwise a fresh array is allocated and
+the message waits as "unexpected" until a ``recv`` takes it (copied once if that recv
+passes ``out=``, handed over as is if not).
+
+Order per tag is the order frames were claimed, even when a receive is posted while an
+earlier frame is still landing: unexpected messages are queued as futures at claim time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from netdist.errors import LocalProtocolError, NetdistTimeoutError
+
+__all__ = ["PeerMailbox", "Landing", "check_out_buffer", "byte_view"]
+
+
+def byte_view(array: np.ndarray) -> np.ndarray:
+    """A flat ``uint8`` view of a C-contiguous array's memory (no copy)."""
+    return array.reshape(-1).view(np.uint8) if array.ndim else array.reshape(1).view(np.uint8)
+
+
+def check_out_buffer(out: np.ndarray) -> None:
+    """Raise ``ValueError`` unless ``out`` can receive raw bytes in place."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out= must be a numpy.ndarray, got {type(out).__name__}")
+    if not out.flags.c_contiguous:
+        raise ValueError("out= must be C-contiguous to receive in place")
+    if not out.flags.writeable:
+        raise ValueError("out= is read-only")
+
+
+@dataclass(slots=True)
+class _PostedRecv:
+    future: asyncio.Future[np.ndarray]
+    out: np.ndarray | None
+
+
+class Landing:
+    """Where one incoming frame's payload goes; the reader fills ``buffer`` then completes."""
+
+    __slots__ = ("buffer", "_result", "_future", "_error")
+
+    def __init__(self, buffer: np.ndarray, result: np.ndarray,
+                 future: asyncio.Future[np.ndarray], error: Exception | None = None) -> None:
+        self.buffer = buffer
+        """Flat uint8 array of exactly the payload size."""
+        self._result = result
+        self._future = future
+        self._error = error
+
+    def complete(self) -> None:
+        """The payload is fully written: hand the message to its receiver (or the queue)."""
+        if self._future.done():  # receiver timed out or was cancelled meanwhile
+            return
+        if self._error is not None:
+            self._future.set_exception(self._error)
+        else:
+            self._future.set_result(self._result)
+
+
+class PeerMailbox:
+    """Receive state for messages from one peer rank."""
+
+    def __init__(self, peer: int, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.peer = peer
+        self._loop = loop
+        self._posted: dict[int, deque[_PostedRecv]] = {}
+        self._unexpected: dict[int, deque[asyncio.Future[np.ndarray]]] = {}
+        self._failure: Callable[[], Exception] | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    def _new_future(self) -> asyncio.Future[np.ndarray]:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop.create_future()
+
+    # -- reader side -------------------------------------------------------------------
+
+    def claim(self, tag: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Landing:
+        """Reserve the destination for the next frame on ``tag`` (header already decoded)."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        posted = self._posted.get(tag)
+        while posted:
+            entry = posted.popleft()
+            if entry.future.done():  # withdrawn by timeout or cancellation
+                continue
+            if not posted:
+                del self._posted[tag]
+            if entry.out is None:
+                result = np.empty(shape, dtype)
+                return Landing(byte_view(result), result, entry.future)
+            if entry.out.nbytes != nbytes:
+                error = LocalProtocolError(
+                    f"recv from rank {self.peer} (tag {tag}): out= holds {entry.out.nbytes} "
+                    f"bytes but the message carries {nbytes} ({dtype.name}{list(shape)})")
+                return Landing(np.empty(nbytes, np.uint8), entry.out, entry.future, error)
+            return Landing(byte_view(entry.out), entry.out, entry.future)
+        if posted is not None:
+            del self._posted[tag]
+        future = self._new_future()
+        self._unexpected.setdefault(tag, deque()).append(future)
+        result = np.empty(shape, dtype)
+        return Landing(byte_view(result), result, future)
+
+    def fail(self, failure: Callable[[], Exception]) -> None:
+        """Fail every posted receive and every later one with ``failure()``.
+
+        Messages that had fully arrived before the failure stay receivable.
+        """
+        if self._failure is None:
+            self._failure = failure
+        for queue in self._posted.values():
+            for entry in queue:
+                if not entry.future.done():
+                    entry.future.set_exception(failure())
+        self._posted.clear()
+        for queue in self._unexpected.values():
+            for future in queue:
+                if not future.done():
+                    future.set_exception(failure())
+
+    # -- receiver side -----------------------------------------------------------------
+
+    async def recv(self, tag: int, out: np.ndarray | None, timeout: float) -> np.ndarray:
+        """Wait for the next message on ``tag``; see ``Transport.recv``."""
+        if out is not None:
+            check_out_buffer(out)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        queue = self._unexpected.get(tag)
+        if queue:
+            future = queue.popleft()
+            if not queue:
+                del self._unexpected[tag]
+            try:
+                message = await self._wait(future, tag, timeout, started, withdraw=None)
+            except BaseException:
+                if not future.done():  # still landing: keep its place for the next recv
+                    self._unexpected.setdefault(tag, deque()).appendleft(future)
+                raise
+            if out is None:
+                return message
+            if out.nbytes != message.nbytes:
+                raise LocalProtocolError(
+                    f"recv from rank {self.peer} (tag {tag}): out= holds {out.nbytes} bytes "
+                    f"but the message carries {message.nbytes} "
+                    f"({message.dtype.name}{list(message.shape)})")
+            byte_view(out)[...] = byte_view(message)
+            return out
+        if self._failure is not None:
+            raise self._failure()
+        entry = _PostedRecv(self._new_future(), out)
+        self._posted.setdefault(tag, deque()).append(entry)
+        return await self._wait(entry.future, tag, timeout, started, withdraw=entry)
+
+    async def _wait(self, future: asyncio.Future[np.ndarray], tag: int, timeout: float,
+                    started: float, withdraw: _PostedRecv | None) -> np.ndarray:
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(future) if withdraw is None else await future
+        except TimeoutError:
+            elapsed = asyncio.get_running_loop().time() - started
+            raise NetdistTimeoutError(
+                f"recv from rank {self.peer} (tag {tag}) timed out after {elapsed:.2f}s"
+            ) from None
+        finally:
+            if withdraw is not None and not future.done():
+                future.cancel()
+                self._discard(tag, withdraw)
+
+    def _discard(self, tag: int, entry: _PostedRecv) -> None:
+        queue = self._posted.get(tag)
+        if queue is None:
+            return
+        try:
+            queue.remove(entry)
+        except ValueError:
+            return
+        if not queue:
+            del self._posted[tag]
