@@ -49,12 +49,18 @@ def parse_host_port(text: str, *, what: str = "address") -> tuple[str, int]:
     if not text:
         raise ConfigError(f"{what} is empty")
     if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
+        host, bracket, rest = text[1:].partition("]")
+        if not bracket:
+            raise ConfigError(f"{what} {text!r}: missing ']' after the IPv6 address")
+        if rest and not rest.startswith(":"):
+            raise ConfigError(f"{what} {text!r}: expected ':port' after ']', got {rest!r}")
+        port_text = rest[1:]
     elif text.count(":") == 1:
         host, port_text = text.split(":")
     else:
         host, port_text = text, ""
+    if not host:
+        raise ConfigError(f"{what} {text!r}: host is empty")
     if not port_text:
         return host, DEFAULT_PORT
     try:
@@ -157,6 +163,8 @@ class DistributedConfig:
             values["coordinator"] = parse_host_port(coordinator, what="NETDIST_COORDINATOR")
         elif _first(env, "MASTER_ADDR") is not None:
             port = _int_from(env, "MASTER_PORT")
+            if port is not None and not 0 <= port <= 65535:
+                raise ConfigError(f"MASTER_PORT={port} is out of range 0..65535")
             values["coordinator"] = (env["MASTER_ADDR"], DEFAULT_PORT if port is None else port)
 
         for key, var in (("job_id", "NETDIST_JOB_ID"), ("token", "NETDIST_TOKEN"),
@@ -171,7 +179,7 @@ class DistributedConfig:
                 values["timeout"] = float(timeout)
             except ValueError:
                 raise ConfigError(f"NETDIST_TIMEOUT={timeout!r} is not a number of seconds") from None
-        if _first(env, "NETDIST_INSECURE") in ("1", "true", "yes"):
+        if (_first(env, "NETDIST_INSECURE") or "").strip().lower() in ("1", "true", "yes"):
             values["insecure"] = True
 
         values.update(overrides)

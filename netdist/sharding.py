@@ -44,6 +44,8 @@ def padded_size(total: int, multiple: int) -> int:
     """Smallest size >= ``total`` that ``multiple`` divides (for flat-parameter padding)."""
     if multiple < 1:
         raise ValueError(f"multiple must be >= 1, got {multiple}")
+    if total < 0:
+        raise ValueError(f"total must be >= 0, got {total}")
     return -(-total // multiple) * multiple
 
 
@@ -63,7 +65,7 @@ def shard_tensor(array: np.ndarray, num_shards: int) -> list[np.ndarray]:
             raise ValueError(f"a 0-d array cannot be split into {num_shards} shards")
         return [array]
     rows = array.shape[0]
-    if num_shards > rows:
+    if num_shards > max(rows, 1):
         raise ValueError(f"cannot split {rows} rows into {num_shards} non-empty shards")
     return [array[start:stop] for start, stop in chunk_bounds(rows, num_shards)]
 

@@ -86,4 +86,6 @@ def reduce_into(op: ReduceOp, acc: np.ndarray, incoming: np.ndarray) -> None:
     For ``bool`` arrays SUM/MEAN/PROD become logical or/or/and, as NumPy defines them.
     MEAN accumulates a sum; divide by the group size once all contributions are in.
     """
+    if acc.shape != incoming.shape:
+        raise ValueError(f"cannot reduce shape {incoming.shape} into shape {acc.shape}")
     _BINARY_UFUNC[op](acc, incoming, out=acc)

@@ -1,0 +1,74 @@
+"""``netdist launch -n N [options] -- CMD ARGS...``: run N local ranks of a job."""
+
+from __future__ import annotations
+
+import argparse
+
+from netdist.errors import ConfigError
+from netdist.launcher import DEFAULT_GRACE_PERIOD, launch
+
+__all__ = ["add_parser", "run"]
+
+_EPILOG = """\
+each rank gets NETDIST_RANK, NETDIST_WORLD_SIZE, NETDIST_COORDINATOR, NETDIST_JOB_ID,
+NETDIST_TOKEN (kept from the environment or generated; never printed),
+NETDIST_RESTART_COUNT, and RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE.
+
+exit status: 0 if every rank succeeded; else the first failing rank's exit code
+(128+N if it died from signal N); 130/143 on SIGINT/SIGTERM; 124 on --timeout;
+127/126 if the command cannot be started; 2 for invalid options.
+
+example:
+  netdist launch -n 4 -- python train.py --epochs 3
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the ``launch`` subcommand."""
+    parser = subparsers.add_parser(
+        "launch",
+        help="start N local ranks of a job",
+        description="Start N local processes as the ranks of one job, prefix their output\n"
+                    "with the rank, and stop them all when one fails.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-n", "--nprocs", type=int, required=True, metavar="N",
+                        help="number of ranks to start")
+    parser.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="rank 0's coordinator address (default: a free port on "
+                             "127.0.0.1, new on each restart)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="restart the whole job up to K times after a rank fails "
+                             "(NETDIST_RESTART_COUNT tells the job; default 0)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="wall-clock limit for the whole job, restarts included")
+    parser.add_argument("--job-id", default=None, metavar="ID",
+                        help="job id shared by all ranks (default: NETDIST_JOB_ID or random)")
+    parser.add_argument("--grace-period", type=float, default=DEFAULT_GRACE_PERIOD,
+                        metavar="SECONDS",
+                        help="time between SIGTERM and SIGKILL when stopping ranks "
+                             f"(default {DEFAULT_GRACE_PERIOD:g})")
+    parser.add_argument("--no-prefix", dest="prefix_output", action="store_false",
+                        help="let ranks write straight to the terminal, without [rank N]")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
+                        help="the program every rank runs")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Launch the job described by ``args``; return its exit status."""
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise ConfigError("no command given (usage: netdist launch -n N -- CMD [ARGS...])")
+    return launch(
+        command,
+        args.nprocs,
+        coordinator=args.coordinator,
+        max_restarts=args.max_restarts,
+        prefix_output=args.prefix_output,
+        timeout=args.timeout,
+        job_id=args.job_id,
+        grace_period=args.grace_period,
+    )

@@ -1,0 +1,86 @@
+"""``netdist`` entry point: builds the argparse parser and dispatches to a subcommand.
+
+Each subcommand is a module ``netdist/cli/<name>.py`` exposing::
+
+    def add_parser(subparsers: argparse._SubParsersAction) -> None   # adds its parser(s)
+    def run(args: argparse.Namespace) -> int                         # the exit status
+
+and is enabled by adding its module name to ``COMMANDS``. Every listed module is imported
+to build the parser, so keep heavy imports (numpy-heavy code, sklearn, ...) inside
+``run()``.
+
+Errors: a ``ConfigError`` escaping ``run()`` prints ``netdist <cmd>: error: <message>`` and
+exits 2 (as argparse does for bad usage); any other ``NetdistError`` prints the same and
+exits 1; ``NETDIST_DEBUG=1`` adds the traceback. Ctrl-C exits 130. Anything else is a bug
+and shows its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+from netdist import __version__
+from netdist.errors import ConfigError, NetdistError
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+COMMANDS: tuple[str, ...] = ("launch", "worker", "demo")
+"""Subcommand modules under ``netdist.cli``, in the order ``netdist --help`` lists them."""
+
+EXIT_RUNTIME_ERROR = 1
+EXIT_CONFIG_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``netdist`` parser with one subparser per module in ``commands``."""
+    parser = argparse.ArgumentParser(
+        prog="netdist",
+        description="Distributed training over asyncio TCP: launch ranks, run the demo "
+                    "job, benchmark the transport, inspect checkpoints.",
+    )
+    parser.add_argument("--version", action="version", version=f"netdist {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS if commands is None else commands:
+        module = importlib.import_module(f"netdist.cli.{name}")
+        before = set(subparsers.choices)
+        module.add_parser(subparsers)
+        for cmd in set(subparsers.choices) - before:
+            subparsers.choices[cmd].set_defaults(_netdist_run=module.run, _netdist_cmd=cmd)
+    return parser
+
+
+def _report(cmd: str, exc: BaseException) -> None:
+    if os.environ.get("NETDIST_DEBUG", "") not in ("", "0"):
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"netdist {cmd}: error: {exc}", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``netdist`` command line with ``argv`` (default ``sys.argv[1:]``)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    cmd: str = args._netdist_cmd
+    try:
+        status = args._netdist_run(args)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except ConfigError as exc:
+        _report(cmd, exc)
+        return EXIT_CONFIG_ERROR
+    except NetdistError as exc:
+        _report(cmd, exc)
+        return EXIT_RUNTIME_ERROR
+    return 0 if status is None else int(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

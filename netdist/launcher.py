@@ -1,0 +1,602 @@
+"""Start the ranks of a job as local processes and keep them together.
+
+``launch()`` is what ``netdist launch`` runs, usable as a library too (it imports nothing
+from the CLI). It starts ``nprocs`` children, each in its own process group, with the
+environment ``netdist.init()`` reads::
+
+    NETDIST_RANK, NETDIST_WORLD_SIZE   this child's rank, the number of children
+    NETDIST_COORDINATOR                host:port of rank 0's coordinator (a free port on
+                                       127.0.0.1 unless one is given; new on each restart)
+    NETDIST_JOB_ID                     shared by every rank and every restart
+    NETDIST_TOKEN                      shared secret for the handshake; taken from the
+                                       environment, else generated (never printed)
+    NETDIST_RESTART_COUNT              0 on the first start, k on the k-th restart
+    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE   for torch-style code
+    PYTHONUNBUFFERED=1                 unless already set, so Python ranks' output is live
+
+Stdin of every child is /dev/null (the ranks run in their own process groups, so they
+could not read the terminal anyway).
+
+Output: each child's stdout and stderr are read line by line and written to the
+launcher's stdout and stderr with a ``[rank N] `` prefix (every pipe is drained all the
+time, so a chatty child never blocks on a full pipe, and no line is lost or interleaved).
+
+Failing together: when a child exits non-zero the launcher sends SIGTERM to every other
+child's process group, SIGKILL to those still alive after ``grace_period`` seconds, and
+reports e.g. ``netdist launch: rank 2 exited with code 3; terminated ranks 0, 1, 3``.
+
+Exit codes of ``launch()``:
+
+- 0 when every rank exited 0;
+- the first failing rank's exit code, or 128 + N when it was killed by signal N
+  (the shell's convention: a rank killed by SIGKILL gives 137);
+- 130 / 143 when the launcher itself received SIGINT / SIGTERM (children are terminated);
+- 124 when the whole-job ``timeout`` expired (as coreutils ``timeout``);
+- 127 / 126 when the command could not be started (not found / not executable).
+
+A second SIGINT or SIGTERM while children are being terminated skips the grace period
+and kills them at once. POSIX only (process groups). If the launcher itself is killed
+with SIGKILL it cannot clean up; its children then live on in their own process groups.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import secrets
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, TextIO
+
+from netdist.config import parse_host_port
+from netdist.errors import ConfigError
+
+__all__ = [
+    "launch",
+    "DEFAULT_GRACE_PERIOD",
+    "EXIT_TIMEOUT",
+    "EXIT_CANNOT_EXECUTE",
+    "EXIT_NOT_FOUND",
+]
+
+DEFAULT_GRACE_PERIOD = 5.0
+"""Seconds between SIGTERM and SIGKILL when children are terminated."""
+
+EXIT_TIMEOUT = 124
+EXIT_CANNOT_EXECUTE = 126
+EXIT_NOT_FOUND = 127
+
+_DRAIN_TIMEOUT = 2.0
+"""How long output is still read after every rank exited (a leftover background
+process may hold a rank's pipe open forever)."""
+
+_MAX_PARTIAL_LINE = 64 * 1024
+"""A line longer than this is written out in pieces rather than buffered without bound."""
+
+_READ_SIZE = 64 * 1024
+_PREFIX = "netdist launch: "
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        signum = -returncode
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        return f"was killed by signal {signum} ({name})"
+    return f"exited with code {returncode}"
+
+
+def _exit_status(returncode: int) -> int:
+    """Shell-style status: the exit code, or 128 + N for a death by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _rank_list(ranks: Sequence[int]) -> str:
+    noun = "rank" if len(ranks) == 1 else "ranks"
+    return f"{noun} {', '.join(str(r) for r in ranks)}"
+
+
+def _format_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _free_port(host: str, avoid: int | None) -> int:
+    """A port the OS reports free on ``host`` right now, different from ``avoid``."""
+    port = 0
+    for _ in range(16):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port != avoid:
+            break
+    return port
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    """Send ``signum`` to the process group led by ``pid``; a vanished group is fine."""
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _log(message: str) -> None:
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    try:
+        print(_PREFIX + message, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+class _Sink:
+    """One of the launcher's output streams; writes whole chunks and never raises.
+
+    A closed or broken stream (``netdist launch ... | head``) is remembered and further
+    output is dropped, while the children's pipes keep being drained.
+    """
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self._stream = stream
+        self._broken = stream is None  # e.g. sys.stdout is None under pythonw
+
+    def write(self, data: bytes) -> None:
+        if self._broken or self._stream is None:
+            return
+        try:
+            buffer = getattr(self._stream, "buffer", None)
+            if buffer is not None:
+                self._stream.flush()
+                buffer.write(data)
+                buffer.flush()
+            else:
+                self._stream.write(data.decode("utf-8", errors="replace"))
+                self._stream.flush()
+        except (OSError, ValueError):
+            self._broken = True
+
+
+class _LineSplitter:
+    """Turns a child's byte stream into ``[rank N] ``-prefixed lines for one sink."""
+
+    def __init__(self, prefix: bytes, sink: _Sink) -> None:
+        self._prefix = prefix
+        self._sink = sink
+        self._partial = b""
+
+    def feed(self, data: bytes) -> None:
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > _MAX_PARTIAL_LINE:
+            lines.append(self._partial)
+            self._partial = b""
+        if lines:
+            self._sink.write(b"".join(self._prefix + line + b"\n" for line in lines))
+
+    def close(self) -> None:
+        """Flush a last line that had no newline."""
+        if self._partial:
+            self._sink.write(self._prefix + self._partial + b"\n")
+            self._partial = b""
+
+
+class _Wakeup:
+    """A self-pipe that wakes the launcher's ``select``: child exits and signals.
+
+    Waiter threads write a byte when their child is reaped. When ``launch()`` runs in the
+    main thread, SIGINT/SIGTERM handlers only record the signal, and
+    ``signal.set_wakeup_fd`` makes the C-level handler write to the same pipe, so a signal
+    is never lost between a check and the wait, and no exception is ever raised in the
+    middle of spawning or cleaning up.
+    """
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self.write_fd, False)
+        self.signals: list[int] = []
+        self._saved_handlers: dict[int, Any] = {}
+        self._saved_wakeup_fd: int | None = None
+
+    def __enter__(self) -> _Wakeup:
+        if threading.current_thread() is threading.main_thread():
+            self._saved_wakeup_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+            for signum in self._SIGNALS:
+                current = signal.getsignal(signum)
+                if current is signal.SIG_IGN:
+                    continue  # started with the signal ignored (e.g. `nohup`): keep it so
+                self._saved_handlers[signum] = current
+                signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._saved_handlers.items():
+            signal.signal(signum, handler)
+        if self._saved_wakeup_fd is not None:
+            signal.set_wakeup_fd(self._saved_wakeup_fd)
+        os.close(self.read_fd)
+        os.close(self.write_fd)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signals.append(signum)
+
+    def notify(self) -> None:
+        """Wake the main loop (called from waiter threads)."""
+        try:
+            os.write(self.write_fd, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full, so the reader will wake anyway; or we are closing
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.read_fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+
+# --------------------------------------------------------------------------- one attempt
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """How one start of the job ended."""
+
+    status: int
+    restartable: bool
+
+
+class _Child:
+    """One rank's process and the bookkeeping the main loop needs."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.exit_seq: int | None = None  # set by the waiter thread after reaping
+
+    @property
+    def exited(self) -> bool:
+        return self.exit_seq is not None
+
+    @property
+    def returncode(self) -> int:
+        code = self.proc.returncode
+        if code is None:  # pragma: no cover - exit_seq is only set after wait()
+            raise RuntimeError(f"rank {self.rank} has not exited")
+        return code
+
+
+class _Attempt:
+    """Start every rank once, watch them, and tear the job down as a unit."""
+
+    def __init__(self, *, cmd: list[str], nprocs: int, env: dict[str, str],
+                 prefix_output: bool, deadline: float | None, timeout: float | None,
+                 grace_period: float, wakeup: _Wakeup, sinks: tuple[_Sink, _Sink]) -> None:
+        self.cmd = cmd
+        self.nprocs = nprocs
+        self.env = env
+        self.prefix_output = prefix_output
+        self.deadline = deadline
+        self.timeout = timeout
+        self.grace_period = grace_period
+        self.wakeup = wakeup
+        self.sinks = sinks
+        self.children: list[_Child] = []
+        self.waiters: list[threading.Thread] = []
+        self.selector = selectors.DefaultSelector()
+        self.exit_counter = itertools.count()
+        self.open_pipes = 0
+        self.handled_signals = 0
+        self.kill_at: float | None = None  # SIGKILL time once terminating
+        self.killed = False
+        self.terminating = False
+
+    # -- spawning -------------------------------------------------------------------
+
+    def _spawn(self, rank: int) -> _Child:
+        env = dict(self.env)
+        env.update({
+            "NETDIST_RANK": str(rank),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+        })
+        pipe = subprocess.PIPE if self.prefix_output else None
+        proc = subprocess.Popen(self.cmd, env=env, stdin=subprocess.DEVNULL, stdout=pipe,
+                                stderr=pipe, process_group=0, close_fds=True)
+        child = _Child(rank, proc)
+        for stream, sink in ((proc.stdout, self.sinks[0]), (proc.stderr, self.sinks[1])):
+            if stream is not None:
+                splitter = _LineSplitter(f"[rank {rank}] ".encode(), sink)
+                self.selector.register(stream, selectors.EVENT_READ, splitter)
+                self.open_pipes += 1
+        waiter = threading.Thread(target=self._wait_for, args=(child,), daemon=True,
+                                  name=f"netdist-launch-rank-{rank}")
+        waiter.start()
+        self.waiters.append(waiter)
+        return child
+
+    def _wait_for(self, child: _Child) -> None:
+        child.proc.wait()
+        child.exit_seq = next(self.exit_counter)
+        self.wakeup.notify()
+
+    # -- I/O ------------------------------------------------------------------------
+
+    def _pump(self, timeout: float | None) -> None:
+        """Wait up to ``timeout`` for output, a child exit or a signal, and handle output."""
+        for key, _ in self.selector.select(timeout):
+            if key.fileobj == self.wakeup.read_fd:
+                self.wakeup.drain()
+                continue
+            stream = key.fileobj
+            splitter: _LineSplitter = key.data
+            try:
+                data = os.read(key.fd, _READ_SIZE)
+            except BlockingIOError:  # pragma: no cover - select said readable
+                continue
+            except OSError as exc:  # pragma: no cover - e.g. EIO; treat as end of stream
+                if exc.errno not in (errno.EIO, errno.EBADF):
+                    raise
+                data = b""
+            if data:
+                splitter.feed(data)
+            else:
+                splitter.close()
+                self.selector.unregister(stream)
+                stream.close()  # type: ignore[union-attr]
+                self.open_pipes -= 1
+
+    # -- termination ----------------------------------------------------------------
+
+    def _terminate(self) -> list[int]:
+        """SIGTERM every rank's process group; return the ranks that were still running."""
+        self.terminating = True
+        self.kill_at = time.monotonic() + self.grace_period
+        running = []
+        for child in self.children:
+            if not child.exited:
+                running.append(child.rank)
+            _signal_group(child.proc.pid, signal.SIGTERM)
+        return running
+
+    def _kill_remaining(self, why: str) -> None:
+        """SIGKILL the process group of every rank still running, saying ``why``."""
+        stubborn = [c.rank for c in self.children if not c.exited]
+        if stubborn:
+            _log(why.format(ranks=_rank_list(stubborn)))
+        for child in self.children:
+            if not child.exited:
+                _signal_group(child.proc.pid, signal.SIGKILL)
+        self.killed = True
+
+    def _kill_if_overdue(self, now: float) -> None:
+        if self.terminating and not self.killed and self.kill_at is not None \
+                and now >= self.kill_at:
+            self._kill_remaining(
+                f"{{ranks}} still running {self.grace_period:g} s after SIGTERM; sent SIGKILL")
+
+    # -- main loop ------------------------------------------------------------------
+
+    def run(self) -> _Outcome:
+        self.selector.register(self.wakeup.read_fd, selectors.EVENT_READ, None)
+        try:
+            return self._run()
+        except BaseException:
+            for child in self.children:  # never leave a rank behind, even on a bug
+                if not child.exited:
+                    _signal_group(child.proc.pid, signal.SIGKILL)
+            raise
+        finally:
+            for key in list(self.selector.get_map().values()):
+                if key.fileobj != self.wakeup.read_fd:
+                    key.data.close()
+                    key.fileobj.close()  # type: ignore[union-attr]
+            self.selector.close()
+            for waiter in self.waiters:
+                waiter.join()
+
+    def _run(self) -> _Outcome:
+        for rank in range(self.nprocs):
+            try:
+                self.children.append(self._spawn(rank))
+            except OSError as exc:
+                status = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE
+                _log(f"cannot start rank {rank}: {exc}")
+                if self.children:
+                    running = self._terminate()
+                    self._finish_termination()
+                    _log(f"terminated {_rank_list(running)}")
+                return _Outcome(status, restartable=False)
+            if self.wakeup.signals:
+                break  # stop spawning; the loop below handles the signal
+
+        reported: _Outcome | None = None
+        while True:
+            now = time.monotonic()
+            if reported is None:
+                reported = self._check(now)
+            if len(self.wakeup.signals) > self.handled_signals:
+                signum = self.wakeup.signals[self.handled_signals]
+                self.handled_signals = len(self.wakeup.signals)
+                if self.terminating and not self.killed:  # impatient: no more waiting
+                    self._kill_remaining(
+                        f"received {signal.Signals(signum).name}; sent SIGKILL to {{ranks}}")
+            self._kill_if_overdue(now)
+            if all(c.exited for c in self.children):
+                break
+            self._pump(self._wait_time(now))
+
+        if self.terminating:
+            # Stragglers a rank left behind in its process group go too.
+            for child in self.children:
+                _signal_group(child.proc.pid, signal.SIGKILL)
+        self._drain_output()
+        if reported is None:  # pragma: no cover - _check reports before all exit
+            reported = _Outcome(0, restartable=False)
+        return reported
+
+    def _wait_time(self, now: float) -> float | None:
+        limits = []
+        if not self.terminating and self.deadline is not None:
+            limits.append(self.deadline - now)
+        if self.terminating and not self.killed and self.kill_at is not None:
+            limits.append(self.kill_at - now)
+        return max(0.0, min(limits)) if limits else None
+
+    def _check(self, now: float) -> _Outcome | None:
+        """Decide whether the job has ended, and start tearing it down if so."""
+        if self.wakeup.signals:
+            signum = self.wakeup.signals[0]
+            self.handled_signals = len(self.wakeup.signals)
+            running = self._terminate()
+            message = f"received {signal.Signals(signum).name}"
+            _log(f"{message}; terminated {_rank_list(running)}" if running else message)
+            return _Outcome(128 + signum, restartable=False)
+        failed = sorted((c for c in self.children if c.exited and c.returncode != 0),
+                        key=lambda c: c.exit_seq or 0)
+        if failed:
+            first = failed[0]
+            running = self._terminate()
+            message = f"rank {first.rank} {_describe_exit(first.returncode)}"
+            _log(f"{message}; terminated {_rank_list(running)}" if running else message)
+            return _Outcome(_exit_status(first.returncode), restartable=True)
+        if self.deadline is not None and now >= self.deadline:
+            running = self._terminate()
+            _log(f"job timed out after {self.timeout:g} s; terminated {_rank_list(running)}")
+            return _Outcome(EXIT_TIMEOUT, restartable=False)
+        if all(c.exited for c in self.children):
+            return _Outcome(0, restartable=False)
+        return None
+
+    def _finish_termination(self) -> None:
+        """Wait (bounded by the grace period) for signalled children, then kill them."""
+        while not all(c.exited for c in self.children):
+            now = time.monotonic()
+            self._kill_if_overdue(now)
+            self._pump(self._wait_time(now))
+        for child in self.children:
+            _signal_group(child.proc.pid, signal.SIGKILL)
+        self._drain_output()
+
+    def _drain_output(self) -> None:
+        """Read what the children wrote before exiting, bounded by ``_DRAIN_TIMEOUT``."""
+        stop = time.monotonic() + _DRAIN_TIMEOUT
+        while self.open_pipes:
+            remaining = stop - time.monotonic()
+            if remaining <= 0:
+                _log("a rank's output is still held open by a leftover process; not waiting")
+                return
+            self._pump(remaining)
+
+
+# --------------------------------------------------------------------------- public
+
+
+def launch(
+    cmd: Sequence[str],
+    nprocs: int,
+    *,
+    coordinator: str | None = None,
+    env: Mapping[str, str] | None = None,
+    max_restarts: int = 0,
+    prefix_output: bool = True,
+    timeout: float | None = None,
+    job_id: str | None = None,
+    grace_period: float = DEFAULT_GRACE_PERIOD,
+) -> int:
+    """Run ``cmd`` as ``nprocs`` local ranks of one job and return the job's exit status.
+
+    ``coordinator`` (``host:port``) is passed to every rank as ``NETDIST_COORDINATOR``;
+    when omitted, a free port on 127.0.0.1 is chosen (again on each restart). ``env``
+    adds variables on top of the launcher's environment. ``NETDIST_TOKEN`` and
+    ``NETDIST_JOB_ID`` are taken from that environment (``job_id`` wins) or generated.
+
+    ``max_restarts=K`` restarts the whole job after a rank fails, up to K times, with
+    ``NETDIST_RESTART_COUNT`` set to the restart number so the job can resume from its
+    latest checkpoint. Signals to the launcher, the timeout and a command that cannot be
+    started are never retried. ``timeout`` bounds the whole job, restarts included.
+    ``grace_period`` is the time between SIGTERM and SIGKILL when ranks are terminated.
+
+    Returns the exit status described in the module docstring. Raises ``ConfigError``
+    for invalid arguments. SIGINT/SIGTERM handling is installed only when called from the
+    main thread, and the previous handlers are restored on return.
+    """
+    cmd = list(cmd)
+    if not cmd or not all(isinstance(part, str) for part in cmd):
+        raise ConfigError("launch needs a command: a non-empty list of strings")
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ConfigError(f"number of processes must be an integer >= 1, got {nprocs!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ConfigError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+    if timeout is not None and not 0 < timeout < float("inf"):
+        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if not 0 <= grace_period < float("inf"):
+        raise ConfigError(f"grace_period must be >= 0 seconds, got {grace_period!r}")
+    if job_id is not None and not job_id:
+        raise ConfigError("job_id must not be empty")
+    fixed_coordinator = None
+    if coordinator is not None:
+        fixed_coordinator = _format_host_port(*parse_host_port(coordinator, what="coordinator"))
+
+    base_env = dict(os.environ)
+    if env is not None:
+        base_env.update(env)
+    base_env.update({
+        "NETDIST_WORLD_SIZE": str(nprocs),
+        "WORLD_SIZE": str(nprocs),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        "NETDIST_TOKEN": base_env.get("NETDIST_TOKEN") or secrets.token_hex(32),
+        "NETDIST_JOB_ID": job_id or base_env.get("NETDIST_JOB_ID") or f"job-{secrets.token_hex(6)}",
+    })
+    base_env.setdefault("PYTHONUNBUFFERED", "1")  # live output from Python ranks
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    sinks = (_Sink(sys.stdout), _Sink(sys.stderr))
+    port: int | None = None
+    with _Wakeup() as wakeup:
+        restart = 0
+        while True:
+            if deadline is not None and time.monotonic() >= deadline:
+                _log(f"job timed out after {timeout:g} s")
+                return EXIT_TIMEOUT
+            if fixed_coordinator is None:
+                port = _free_port("127.0.0.1", avoid=port)
+                address = f"127.0.0.1:{port}"
+            else:
+                address = fixed_coordinator
+            attempt_env = dict(base_env)
+            attempt_env["NETDIST_COORDINATOR"] = address
+            attempt_env["NETDIST_RESTART_COUNT"] = str(restart)
+            outcome = _Attempt(cmd=cmd, nprocs=nprocs, env=attempt_env,
+                               prefix_output=prefix_output, deadline=deadline,
+                               timeout=timeout, grace_period=grace_period, wakeup=wakeup,
+                               sinks=sinks).run()
+            if outcome.status == 0 or not outcome.restartable:
+                return outcome.status
+            if wakeup.signals:  # arrived while the failed job was torn down
+                return 128 + wakeup.signals[0]
+            if restart >= max_restarts:
+                if max_restarts:
+                    _log(f"giving up after {max_restarts} restart"
+                         f"{'s' if max_restarts != 1 else ''}")
+                return outcome.status
+            restart += 1
+            _log(f"restarting the job ({restart} of {max_restarts})")

@@ -1,0 +1,165 @@
+"""``netdist.sharding``: the one split rule shared by collectives, FSDP, PS and checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from netdist.sharding import chunk_bounds, chunk_sizes, gather_shards, padded_size, shard_tensor
+
+# --------------------------------------------------------------------------- chunks
+
+
+@pytest.mark.parametrize(("total", "n", "sizes"), [
+    (10, 3, [4, 3, 3]),
+    (9, 3, [3, 3, 3]),
+    (11, 3, [4, 4, 3]),
+    (2, 4, [1, 1, 0, 0]),
+    (0, 3, [0, 0, 0]),
+    (5, 1, [5]),
+])
+def test_chunk_sizes_first_total_mod_n_are_larger(total: int, n: int, sizes: list[int]) -> None:
+    assert chunk_sizes(total, n) == sizes
+
+
+def test_chunk_bounds_seed_case() -> None:
+    assert chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert chunk_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    assert chunk_bounds(0, 2) == [(0, 0), (0, 0)]
+
+
+@given(total=st.integers(0, 10_000), n=st.integers(1, 300))
+def test_chunk_bounds_tile_the_range(total: int, n: int) -> None:
+    bounds = chunk_bounds(total, n)
+    sizes = chunk_sizes(total, n)
+    assert len(bounds) == n
+    assert bounds[0][0] == 0 and bounds[-1][1] == total
+    for (start, stop), (next_start, _) in zip(bounds, bounds[1:]):
+        assert stop == next_start
+    assert [stop - start for start, stop in bounds] == sizes
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)
+    assert sum(1 for s in sizes if s == total // n + 1) == total % n
+
+
+@pytest.mark.parametrize(("total", "n", "message"), [
+    (10, 0, "number of chunks must be >= 1, got 0"),
+    (10, -2, "number of chunks must be >= 1, got -2"),
+    (-1, 2, "total must be >= 0, got -1"),
+])
+def test_chunk_errors(total: int, n: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        chunk_sizes(total, n)
+    with pytest.raises(ValueError, match=message):
+        chunk_bounds(total, n)
+
+
+@pytest.mark.parametrize(("total", "multiple", "expected"), [
+    (0, 4, 0), (1, 4, 4), (4, 4, 4), (5, 4, 8), (10, 3, 12), (7, 1, 7),
+])
+def test_padded_size(total: int, multiple: int, expected: int) -> None:
+    assert padded_size(total, multiple) == expected
+
+
+def test_padded_size_rejects_multiple_below_one() -> None:
+    with pytest.raises(ValueError, match="multiple must be >= 1, got 0"):
+        padded_size(5, 0)
+
+
+# --------------------------------------------------------------------------- shard / gather
+
+
+def test_shard_tensor_seed_case_10_rows_over_3() -> None:
+    t = np.arange(20, dtype=np.float32).reshape(10, 2)
+    shards = shard_tensor(t, 3)
+    assert [s.shape for s in shards] == [(4, 2), (3, 2), (3, 2)]
+    np.testing.assert_array_equal(shards[0], t[:4])
+    np.testing.assert_array_equal(shards[1], t[4:7])
+    np.testing.assert_array_equal(shards[2], t[7:])
+    assert all(np.shares_memory(s, t) for s in shards)  # views, no copies
+    np.testing.assert_array_equal(gather_shards(shards), t)
+
+
+def test_zero_d_array_round_trips_with_one_shard() -> None:
+    t = np.array(3.5)
+    shards = shard_tensor(t, 1)
+    assert len(shards) == 1 and shards[0].shape == ()
+    out = gather_shards(shards)
+    assert out.shape == () and out == 3.5
+    assert not np.shares_memory(out, t)
+
+
+@pytest.mark.parametrize("n", [0, 2])
+def test_zero_d_array_cannot_be_split(n: int) -> None:
+    with pytest.raises(ValueError):
+        shard_tensor(np.array(1.0), n)
+
+
+@pytest.mark.parametrize(("rows", "n", "message"), [
+    (5, 0, "num_shards must be >= 1, got 0"),
+    (5, -1, "num_shards must be >= 1, got -1"),
+    (5, 6, "cannot split 5 rows into 6 non-empty shards"),
+    (0, 1, "cannot split 0 rows into 1 non-empty shards"),
+])
+def test_shard_tensor_errors(rows: int, n: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        shard_tensor(np.zeros((rows, 2)), n)
+
+
+@pytest.mark.parametrize("n", [2.0, "2", True, None])
+def test_shard_tensor_needs_an_int(n: object) -> None:
+    with pytest.raises(TypeError, match="num_shards must be an int"):
+        shard_tensor(np.zeros(4), n)  # type: ignore[arg-type]
+
+
+def test_shard_tensor_accepts_numpy_integers_and_lists() -> None:
+    shards = shard_tensor([1, 2, 3], np.int64(2))
+    assert [s.tolist() for s in shards] == [[1, 2], [3]]
+
+
+def test_gather_shards_errors() -> None:
+    with pytest.raises(ValueError, match="at least one shard"):
+        gather_shards([])
+    with pytest.raises(ValueError, match=r"shard 1 has trailing shape \(3,\), expected \(2,\)"):
+        gather_shards([np.zeros((2, 2)), np.zeros((1, 3))])
+    with pytest.raises(ValueError, match="shard 1 is 0-d"):
+        gather_shards([np.zeros(2), np.array(1.0)])
+    with pytest.raises(ValueError, match="shard 0 is 0-d"):
+        gather_shards([np.array(1.0), np.array(2.0)])
+
+
+def test_gather_shards_uneven_first_dims() -> None:
+    out = gather_shards([np.ones((3, 2)), np.zeros((1, 2)), np.full((2, 2), 7.0)])
+    assert out.shape == (6, 2)
+    np.testing.assert_array_equal(out[:, 0], [1, 1, 1, 0, 7, 7])
+
+
+arrays = hnp.arrays(
+    dtype=st.sampled_from([np.float32, np.float64, np.int8, np.int64, np.uint16, np.bool_]),
+    shape=hnp.array_shapes(min_dims=1, max_dims=4, min_side=1, max_side=9),
+    elements=None,
+)
+
+
+@given(t=arrays, data=st.data())
+def test_gather_of_shard_is_identity_for_every_valid_n(t: np.ndarray, data: st.DataObject) -> None:
+    rows = t.shape[0]
+    n = data.draw(st.integers(1, rows), label="n")
+    shards = shard_tensor(t, n)
+    assert len(shards) == n
+    assert [s.shape[0] for s in shards] == chunk_sizes(rows, n)
+    assert all(s.shape[1:] == t.shape[1:] and s.dtype == t.dtype for s in shards)
+    out = gather_shards(shards)
+    assert out.dtype == t.dtype and out.shape == t.shape
+    np.testing.assert_array_equal(out, t)
+
+
+@given(t=arrays)
+def test_every_n_from_1_to_rows_round_trips(t: np.ndarray) -> None:
+    for n in range(1, t.shape[0] + 1):
+        np.testing.assert_array_equal(gather_shards(shard_tensor(t, n)), t)
+    with pytest.raises(ValueError):
+        shard_tensor(t, t.shape[0] + 1)
