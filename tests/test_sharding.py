@@ -102,7 +102,7 @@ def test_zero_d_array_cannot_be_split(n: int) -> None:
     (5, 0, "num_shards must be >= 1, got 0"),
     (5, -1, "num_shards must be >= 1, got -1"),
     (5, 6, "cannot split 5 rows into 6 non-empty shards"),
-    (0, 1, "cannot split 0 rows into 1 non-empty shards"),
+    (0, 2, "cannot split 0 rows into 2 non-empty shards"),
 ])
 def test_shard_tensor_errors(rows: int, n: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -163,3 +163,10 @@ def test_every_n_from_1_to_rows_round_trips(t: np.ndarray) -> None:
         np.testing.assert_array_equal(gather_shards(shard_tensor(t, n)), t)
     with pytest.raises(ValueError):
         shard_tensor(t, t.shape[0] + 1)
+
+
+def test_empty_array_is_its_own_single_shard() -> None:
+    empty = np.zeros((0, 3))
+    (only,) = shard_tensor(empty, 1)
+    assert only.shape == (0, 3)
+    assert gather_shards([only]).shape == (0, 3)
