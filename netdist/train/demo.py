@@ -1,0 +1,485 @@
+"""The demo job: a data-parallel MLP on scikit-learn's 8x8 digits.
+
+``train_worker(transport, config)`` runs one rank. Every training rank builds the same
+model from the seed, trains on its own disjoint shard of each epoch (``shard_indices``),
+and averages gradients through the configured update path, so the replicas stay
+identical (exactly so for the synchronous modes). The first training rank prints a
+progress line per epoch and the final test accuracy::
+
+    epoch  3/20  step    36/240  loss 0.2134  samples/s 10,234  comm 23.4%  sent 73.1 KiB/step
+    final test accuracy: 97.2%
+
+``loss`` is that rank's mean training loss over the epoch, ``samples/s`` counts every
+training rank's samples, ``comm`` is the share of the epoch's wall time spent inside the
+aggregator, ``sent`` the gradient payload the reporting rank put on the wire per step.
+
+Update paths, chosen by name (``--aggregator``); ``update_factories()`` maps each name to
+an async factory returning an ``UpdatePath``, and callers may pass their own table:
+
+- ``ring``: bucketed all-reduce (``AllReduceAggregator``, gradients stored in the
+  buckets) + local SGD;
+- ``topk``: top-k sparsification with error feedback (``TopKAggregator``) + local SGD;
+- ``fp16``: bucketed all-reduce in float16 + local SGD;
+- ``ps``: synchronous parameter server on rank 0 (``netdist.ps.ParameterServer``) + local SGD;
+- ``ps-sharded`` / ``ps-async``: ``netdist.ps.demo_update_path`` -- parameters
+  partitioned across servers co-located with the first ``NETDIST_PS_SERVERS`` ranks,
+  SGD on the servers; ``ps-async`` with the staleness bound ``NETDIST_PS_MAX_STALENESS``.
+
+Checkpointing (``checkpoint_dir``) saves the model, the optimizer state, the progress
+counters and the top-k residuals (per rank) with ``netdist.checkpoint.save`` every
+``checkpoint_every`` steps and at the end; ``resume`` continues from the newest complete
+checkpoint, on the same data order, so an interrupted run ends where an uninterrupted one
+would. ``ps-sharded`` / ``ps-async`` keep the optimizer on the servers and cannot
+checkpoint yet.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from netdist.compression.topk import TopKCompressor
+from netdist.errors import ConfigError
+from netdist.parallel.aggregators import (
+    AllReduceAggregator,
+    Fp16AllReduceAggregator,
+    GradientAggregator,
+    TopKAggregator,
+)
+from netdist.train.data import Dataset, iterate_batches, load_digits_dataset, shard_indices
+from netdist.train.losses import softmax_cross_entropy
+from netdist.train.nn import Sequential, mlp
+from netdist.train.optim import SGD, Optimizer
+from netdist.train.step import distributed_train_step
+
+if TYPE_CHECKING:
+    from netdist.collectives import Group
+    from netdist.transport.base import Transport
+
+__all__ = [
+    "AGGREGATOR_CHOICES",
+    "DemoConfig",
+    "DemoResult",
+    "UpdatePath",
+    "UpdateFactory",
+    "update_factories",
+    "build_model",
+    "evaluate",
+    "train_worker",
+]
+
+AGGREGATOR_CHOICES = ("ring", "topk", "fp16", "ps", "ps-sharded", "ps-async")
+_SERVER_MODES = ("ps-sharded", "ps-async")
+
+
+@dataclass(frozen=True, slots=True)
+class DemoConfig:
+    """Everything one rank of the demo job needs besides its transport."""
+
+    aggregator: str = "ring"
+    epochs: int = 20
+    batch_size: int = 32
+    """Samples per training rank per step; the global batch is that times the ranks."""
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int = 0
+    hidden: tuple[int, ...] = (128, 64)
+    topk_ratio: float = 0.01
+    bucket_mb: float = 25.0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    """Save every this many steps (0: only at the end when a directory is given)."""
+    resume: bool = False
+    keep_last: int = 3
+    timeout: float | None = None
+    """Bound on every collective (None: the transport's default)."""
+
+    def __post_init__(self) -> None:
+        if self.aggregator not in AGGREGATOR_CHOICES:
+            raise ConfigError(f"unknown aggregator {self.aggregator!r}; choose from "
+                              f"{', '.join(AGGREGATOR_CHOICES)}")
+        for name in ("epochs", "batch_size", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+        if not self.weight_decay >= 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        if not 0 < self.topk_ratio <= 1:
+            raise ConfigError(f"topk ratio must be in (0, 1], got {self.topk_ratio}")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"bucket size must be > 0 MiB, got {self.bucket_mb}")
+        if not self.hidden or any(h < 1 for h in self.hidden):
+            raise ConfigError(f"hidden layer sizes must be >= 1, got {self.hidden}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
+            raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir")
+        if self.checkpoint_dir and self.aggregator in _SERVER_MODES:
+            raise ConfigError(f"--aggregator {self.aggregator} keeps the parameters on the "
+                              "servers and cannot checkpoint; use ring, topk, fp16 or ps")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout}")
+
+
+@dataclass(frozen=True, slots=True)
+class DemoResult:
+    """What one rank observed (the reporting rank's is what the demo prints).
+
+    Server ranks of the dedicated-server modes do not train: their accuracy and loss
+    are NaN and their step count 0.
+    """
+
+    test_accuracy: float
+    final_loss: float
+    steps: int
+    samples_per_second: float
+    comm_fraction: float
+    bytes_sent: int
+    resumed_from_step: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class UpdatePath:
+    """How this rank takes part in one ``--aggregator`` mode.
+
+    A training rank has an ``aggregator`` (given to ``distributed_train_step``) and an
+    ``apply`` (plain or async) that turns the aggregator's output into new parameters in
+    place; ``optimizer`` and ``compressor``, when set, are checkpointed. ``data_rank`` /
+    ``data_world`` place the rank among the training ranks (for data sharding);
+    ``reporter`` marks the rank that prints. A rank that only serves has ``serve`` (run
+    until the job ends) and no aggregator. ``close`` (async) releases what the mode
+    started, on success and on failure.
+    """
+
+    aggregator: GradientAggregator | None
+    apply: Callable[[list[np.ndarray]], Any] | None
+    data_rank: int
+    data_world: int
+    reporter: bool
+    optimizer: Optimizer | None = None
+    compressor: TopKCompressor | None = None
+    serve: Callable[[], Awaitable[Any]] | None = None
+    close: Callable[[], Awaitable[Any]] | None = None
+
+
+UpdateFactory = Callable[["Group", Sequential, DemoConfig], Awaitable[UpdatePath]]
+
+
+def _local_sgd(model: Sequential, config: DemoConfig) -> tuple[SGD, Callable[[list[np.ndarray]], None]]:
+    params = model.parameters()
+    optimizer = SGD(params, lr=config.lr, momentum=config.momentum,
+                    weight_decay=config.weight_decay)
+
+    def apply(averaged: list[np.ndarray]) -> None:
+        for p, g in zip(params, averaged):
+            if g is not p.grad:
+                np.copyto(p.grad, g)
+        optimizer.step()
+
+    return optimizer, apply
+
+
+async def _ring(group: Group, model: Sequential, config: DemoConfig) -> UpdatePath:
+    optimizer, apply = _local_sgd(model, config)
+    agg = AllReduceAggregator(group, bucket_mb=config.bucket_mb, timeout=config.timeout)
+    params = model.parameters()
+    # The gradients live inside the all-reduce buckets: no packing, no unpacking.
+    for p, view in zip(params, agg.bucket_views([p.grad for p in params])):
+        p.grad = view
+    return UpdatePath(agg, apply, group.rank, group.world_size, group.rank == 0, optimizer)
+
+
+async def _fp16(group: Group, model: Sequential, config: DemoConfig) -> UpdatePath:
+    optimizer, apply = _local_sgd(model, config)
+    agg = Fp16AllReduceAggregator(group, bucket_mb=config.bucket_mb, timeout=config.timeout)
+    return UpdatePath(agg, apply, group.rank, group.world_size, group.rank == 0, optimizer)
+
+
+async def _topk(group: Group, model: Sequential, config: DemoConfig) -> UpdatePath:
+    optimizer, apply = _local_sgd(model, config)
+    agg = TopKAggregator(group, ratio=config.topk_ratio, error_feedback=True,
+                         timeout=config.timeout)
+    return UpdatePath(agg, apply, group.rank, group.world_size, group.rank == 0, optimizer,
+                      compressor=agg.compressor)
+
+
+class _ParameterServerAggregator:
+    """``ParameterServer.reduce_gradients`` with the payload this rank sends counted."""
+
+    def __init__(self, server: Any, world_size: int) -> None:
+        self.server = server
+        self.world_size = world_size
+        self.bytes_sent = 0
+
+    async def aggregate(self, grads: list[np.ndarray]) -> list[np.ndarray]:
+        nbytes = sum(g.nbytes for g in grads)
+        # workers send their gradients once; the server sends the average to every worker
+        self.bytes_sent += nbytes * (self.world_size - 1) if self.server.is_server else nbytes
+        return list(await self.server.reduce_gradients(grads))
+
+
+async def _ps_sync(group: Group, model: Sequential, config: DemoConfig) -> UpdatePath:
+    from netdist.ps import ParameterServer
+
+    server = ParameterServer(group, timeout=config.timeout)  # type: ignore[arg-type]
+    await server.broadcast_params([p.data for p in model.parameters()])
+    optimizer, apply = _local_sgd(model, config)
+    return UpdatePath(_ParameterServerAggregator(server, group.world_size), apply,
+                      group.rank, group.world_size, group.rank == 0, optimizer,
+                      close=server.aclose)
+
+
+async def _ps_hook(group: Group, model: Sequential, config: DemoConfig) -> UpdatePath:
+    """``ps-sharded`` / ``ps-async``: the parameter-server package's own update path.
+
+    ``netdist.ps.demo_update_path`` runs servers co-located with the first
+    ``NETDIST_PS_SERVERS`` ranks (every rank trains) with SGD on the servers;
+    ``NETDIST_PS_MAX_STALENESS`` bounds ``ps-async``. Its aggregator returns the new
+    parameters, which its ``apply`` copies into the model.
+    """
+    try:
+        from netdist.ps import demo_update_path
+    except ImportError as exc:  # pragma: no cover - netdist.ps ships with netdist
+        raise ConfigError(f"--aggregator {config.aggregator} needs netdist.ps: {exc}") from exc
+    hooks = await demo_update_path(config.aggregator, group, model, config)  # type: ignore[arg-type]
+    return UpdatePath(hooks.aggregator, hooks.apply, group.rank, group.world_size,
+                      group.rank == 0, close=hooks.close)
+
+
+def update_factories() -> dict[str, UpdateFactory]:
+    """``--aggregator`` name -> factory. A fresh dict: callers may add or replace modes."""
+    return {
+        "ring": _ring,
+        "topk": _topk,
+        "fp16": _fp16,
+        "ps": _ps_sync,
+        "ps-sharded": _ps_hook,
+        "ps-async": _ps_hook,
+    }
+
+
+def build_model(config: DemoConfig, dataset: Dataset) -> Sequential:
+    """The MLP ``features -> hidden... -> classes``, float32, seeded by ``config.seed``."""
+    sizes = [dataset.num_features, *config.hidden, dataset.num_classes]
+    return mlp(sizes, rng=np.random.default_rng(config.seed), dtype=np.float32)
+
+
+def evaluate(model: Sequential, x: np.ndarray, y: np.ndarray) -> float:
+    """Classification accuracy of ``model`` on ``(x, y)`` as a fraction."""
+    return float(np.mean(np.argmax(model(x), axis=1) == y))
+
+
+class _TimedAggregator:
+    """Measures the wall time spent inside ``aggregate`` (the communication share)."""
+
+    def __init__(self, inner: GradientAggregator) -> None:
+        self.inner = inner
+        self.seconds = 0.0
+
+    @property
+    def bytes_sent(self) -> int:
+        return int(self.inner.bytes_sent)
+
+    async def aggregate(self, grads: list[np.ndarray]) -> list[np.ndarray]:
+        start = time.perf_counter()
+        try:
+            return await self.inner.aggregate(grads)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def _human_bytes(n: float) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+
+def _checkpoint_state(model: Sequential, path: UpdatePath, step: int, epoch: int,
+                      batch: int, config: DemoConfig) -> dict[str, Any]:
+    from netdist.checkpoint import ShardedArray
+
+    state: dict[str, Any] = {
+        "model": {name: p.data for name, p in model.named_parameters()},
+        "progress": {"step": step, "epoch": epoch, "batch": batch,
+                     "world_size": path.data_world, "batch_size": config.batch_size,
+                     "seed": config.seed},
+    }
+    if path.optimizer is not None:
+        state["optimizer"] = path.optimizer.state_dict()
+    if path.compressor is not None and path.compressor.residuals:
+        # residuals differ per rank: stored as rows of a (world, n) tensor, one per rank
+        state["residuals"] = {str(i): ShardedArray(r.reshape(1, -1))
+                              for i, r in enumerate(path.compressor.residuals)}
+    return state
+
+
+def _restore(state: dict[str, Any], model: Sequential, path: UpdatePath,
+             batch_size: int) -> tuple[int, int, int]:
+    """Load ``state`` into the model, optimizer and compressor; ``(step, epoch, batch)``."""
+    model.load_state_dict({k: np.asarray(v) for k, v in state["model"].items()})
+    if path.optimizer is not None and "optimizer" in state:
+        path.optimizer.load_state_dict(state["optimizer"])
+    residuals = state.get("residuals")
+    if path.compressor is not None and residuals:
+        rows = [np.asarray(getattr(residuals[str(i)], "data", residuals[str(i)]))
+                for i in range(len(residuals))]
+        # With another world size a rank receives several old ranks' rows, or none:
+        # summing them keeps the total not-yet-sent gradient mass.
+        path.compressor.load_state_dict(
+            {f"residual_{i}": r.reshape(-1, r.shape[-1]).sum(axis=0) for i, r in enumerate(rows)})
+    progress = state["progress"]
+    step, epoch, batch = int(progress["step"]), int(progress["epoch"]), int(progress["batch"])
+    old_world, old_batch_size = int(progress["world_size"]), int(progress["batch_size"])
+    if (old_world, old_batch_size) != (path.data_world, batch_size):
+        # Another world or batch size: continue after the same number of samples.
+        batch = batch * old_world * old_batch_size // (path.data_world * batch_size)
+    return step, epoch, batch
+
+
+async def train_worker(transport: Transport, config: DemoConfig, *,
+                       log: Callable[[str], None] | None = print,
+                       factories: dict[str, UpdateFactory] | None = None) -> DemoResult:
+    """Train (or serve) one rank of the demo job over ``transport``.
+
+    All ranks must run this with the same ``config``. The reporting rank logs progress
+    through ``log``. Returns this rank's result; every training rank evaluates the test
+    accuracy on its own parameters (identical across ranks in the synchronous modes).
+    """
+    from netdist.collectives import Group  # the job needs asyncio; the kit does not
+
+    table = update_factories() if factories is None else factories
+    if config.aggregator not in table:
+        raise ConfigError(f"no update path registered for --aggregator {config.aggregator}")
+    dataset = load_digits_dataset(seed=config.seed, dtype=np.float32)
+    model = build_model(config, dataset)
+    params = model.parameters()
+    async with Group(transport, timeout=config.timeout) as group:
+        path = await table[config.aggregator](group, model, config)
+        try:
+            if path.serve is not None:
+                await path.serve()
+                return DemoResult(float("nan"), float("nan"), 0, 0.0, 0.0, 0)
+            return await _train(group, config, dataset, model, params, path,
+                                log if path.reporter else None)
+        finally:
+            if path.close is not None:
+                await path.close()
+
+
+async def _train(group: Group, config: DemoConfig, dataset: Dataset, model: Sequential,
+                 params: list[Any], path: UpdatePath,
+                 say: Callable[[str], None] | None) -> DemoResult:
+    if path.aggregator is None or path.apply is None:
+        raise ConfigError(f"update path for {config.aggregator} has no aggregator")
+    timed = _TimedAggregator(path.aggregator)
+    rank, world = path.data_rank, path.data_world
+    num_train = len(dataset.x_train)
+    steps_per_epoch = -(-(num_train // world) // config.batch_size)
+    total_steps = steps_per_epoch * config.epochs
+
+    step, start_epoch, skip = 0, 0, 0
+    if config.resume and config.checkpoint_dir:
+        from netdist.checkpoint import list_checkpoints, load
+
+        found = await group.broadcast_object(
+            bool(list_checkpoints(config.checkpoint_dir)) if group.rank == 0 else None, 0,
+            timeout=config.timeout)
+        if found:
+            state = await load(config.checkpoint_dir, group, timeout=config.timeout)
+            step, start_epoch, skip = _restore(state, model, path, config.batch_size)
+            if skip >= steps_per_epoch:
+                start_epoch, skip = start_epoch + 1, 0
+            if say:
+                say(f"resumed from {config.checkpoint_dir} at step {step} "
+                    f"(epoch {start_epoch + 1}, batch {skip})")
+        elif say:
+            say(f"no checkpoint in {config.checkpoint_dir}; starting from scratch")
+    resumed_from = step
+
+    if say:
+        sizes = "-".join(str(s) for s in [dataset.num_features, *config.hidden,
+                                          dataset.num_classes])
+        say(f"netdist demo: {world} training ranks ({group.world_size} in the job), "
+            f"aggregator {config.aggregator}, MLP {sizes}, {num_train} train / "
+            f"{len(dataset.x_test)} test samples, batch {config.batch_size} per rank "
+            f"({config.batch_size * world} global), {steps_per_epoch} steps/epoch")
+
+    async def checkpoint(epoch: int, batch: int) -> None:
+        from netdist.checkpoint import save
+
+        if epoch < config.epochs and batch >= steps_per_epoch:
+            epoch, batch = epoch + 1, 0
+        state = _checkpoint_state(model, path, step, epoch, batch, config)
+        result = await save(state, config.checkpoint_dir, group, step=step,  # type: ignore[arg-type]
+                            keep_last=config.keep_last, overwrite=True, timeout=config.timeout)
+        if say:
+            say(f"checkpoint: step {step} -> {result.path}")
+
+    last_loss = float("nan")
+    total_time = 0.0
+    total_samples = 0
+    last_saved = step
+    for epoch in range(start_epoch, config.epochs):
+        indices = shard_indices(num_train, rank, world, epoch, config.seed)
+        epoch_start = time.perf_counter()
+        comm_before, bytes_before = timed.seconds, timed.bytes_sent
+        losses: list[float] = []
+        samples = 0
+        for b, batch in enumerate(iterate_batches(indices, config.batch_size)):
+            if epoch == start_epoch and b < skip:
+                continue
+            xb, yb = dataset.x_train[batch], dataset.y_train[batch]
+
+            def compute(xb: np.ndarray = xb, yb: np.ndarray = yb) -> tuple[float, list[np.ndarray]]:
+                model.zero_grad()
+                logits, ctx = model.forward(xb)
+                loss, grad = softmax_cross_entropy(logits, yb)
+                model.backward(ctx, grad)
+                return loss, [p.grad for p in params]
+
+            losses.append(await distributed_train_step(compute, path.apply, timed))
+            samples += len(batch)
+            step += 1
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                await checkpoint(epoch, b + 1)
+                last_saved = step
+        elapsed = time.perf_counter() - epoch_start
+        total_time += elapsed
+        total_samples += samples
+        if losses:
+            last_loss = float(np.mean(losses))
+        if say and losses:
+            comm = (timed.seconds - comm_before) / elapsed if elapsed > 0 else 0.0
+            sent = (timed.bytes_sent - bytes_before) / len(losses)
+            say(f"epoch {epoch + 1:>2}/{config.epochs}  step {step:>5}/{total_steps}  "
+                f"loss {last_loss:.4f}  samples/s {samples * world / elapsed:,.0f}  "
+                f"comm {comm:.1%}  sent {_human_bytes(sent)}/step")
+    if config.checkpoint_dir and step != last_saved:
+        await checkpoint(config.epochs, 0)
+
+    accuracy = evaluate(model, dataset.x_test, dataset.y_test)
+    if say:
+        say(f"final test accuracy: {accuracy:.1%}")
+    return DemoResult(
+        test_accuracy=accuracy,
+        final_loss=last_loss,
+        steps=step,
+        samples_per_second=total_samples * world / total_time if total_time > 0 else 0.0,
+        comm_fraction=timed.seconds / total_time if total_time > 0 else 0.0,
+        bytes_sent=timed.bytes_sent,
+        resumed_from_step=resumed_from,
+    )

@@ -1,0 +1,217 @@
+"""SGD and Adam with torch's update rules, updating ``param.data`` in place.
+
+The update formulas follow ``torch.optim.SGD`` and ``torch.optim.Adam`` (non-foreach
+reference path) step for step, so a model trained here and the same model trained with
+torch follow the same trajectory up to floating-point rounding.
+
+``state_dict()`` holds only plain data -- nested ``dict``s with ``str`` keys whose leaves
+are NumPy arrays, ``int``, ``float`` or ``bool`` -- so the checkpoint layer can write it
+without pickle. Per-parameter state is keyed by ``Parameter.name`` (names must therefore
+be unique within one optimizer) and is created lazily on the first step, as in torch.
+
+Parameters are updated in place (``param.data -= ...``), whatever array ``param.data``
+points at when ``step()`` runs; FSDP relies on that to step a local shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from netdist.train.nn import Parameter
+
+__all__ = ["Optimizer", "SGD", "Adam"]
+
+StateDict = dict[str, Any]
+
+
+class Optimizer:
+    """Common parts: the parameter list, per-parameter state, ``zero_grad``, state dicts."""
+
+    _hyper_names: tuple[str, ...] = ()
+    _state_arrays: tuple[str, ...] = ()
+
+    def __init__(self, params: Iterable[Parameter], lr: float) -> None:
+        self.params: list[Parameter] = list(params)
+        if not self.params:
+            raise ValueError("optimizer got an empty parameter list")
+        names = [p.name for p in self.params]
+        for p in self.params:
+            if not isinstance(p, Parameter):
+                raise TypeError(f"optimizer parameters must be Parameter, got {type(p).__name__}")
+        if len(set(names)) != len(names):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"parameter names must be unique within an optimizer: {dupes}")
+        if not lr >= 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        self.lr = float(lr)
+        self.state: dict[str, dict[str, Any]] = {}
+
+    def zero_grad(self) -> None:
+        """Zero every parameter's gradient in place."""
+        for p in self.params:
+            p.zero_grad()
+
+    def step(self) -> None:
+        """Apply one update from each ``param.grad`` to ``param.data`` in place."""
+        for p in self.params:
+            if p.grad.shape != p.data.shape:
+                raise ValueError(f"parameter {p.name!r}: grad shape {p.grad.shape} "
+                                 f"differs from data shape {p.data.shape}")
+            self._update(p, self.state.setdefault(p.name, {}))
+
+    def _update(self, p: Parameter, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """Current hyper-parameters as plain floats/bools."""
+        return {name: getattr(self, name) for name in self._hyper_names}
+
+    def state_dict(self) -> StateDict:
+        """``{"hyperparams": {...}, "state": {param name: {key: array | int}}}``, copied."""
+        state = {name: {key: (value.copy() if isinstance(value, np.ndarray) else value)
+                        for key, value in entry.items()}
+                 for name, entry in self.state.items()}
+        return {"hyperparams": self.hyperparameters(), "state": state}
+
+    def load_state_dict(self, state_dict: StateDict) -> None:
+        """Restore hyper-parameters and per-parameter state (arrays are copied).
+
+        Every state entry must name one of this optimizer's parameters and carry arrays
+        of that parameter's shape; hyper-parameters missing from ``state_dict`` keep their
+        current values.
+        """
+        if not isinstance(state_dict, dict) or "state" not in state_dict:
+            raise ValueError("optimizer state dict must be a dict with a 'state' entry")
+        by_name = {p.name: p for p in self.params}
+        new_state: dict[str, dict[str, Any]] = {}
+        for name, entry in state_dict["state"].items():
+            if name not in by_name:
+                raise ValueError(f"optimizer state names unknown parameter {name!r}")
+            p = by_name[name]
+            restored: dict[str, Any] = {}
+            for key, value in entry.items():
+                if key in self._state_arrays:
+                    array = np.asarray(value)
+                    if array.shape != p.data.shape:
+                        raise ValueError(f"optimizer state {name}.{key}: shape {array.shape}, "
+                                         f"parameter has {p.data.shape}")
+                    restored[key] = array.astype(p.data.dtype, copy=True)
+                elif key == "step":
+                    restored[key] = int(value)
+                else:
+                    raise ValueError(f"unknown optimizer state key {key!r} for {name!r}")
+            new_state[name] = restored
+        hyper = state_dict.get("hyperparams", {})
+        for key, value in hyper.items():
+            if key not in self._hyper_names:
+                raise ValueError(f"unknown hyper-parameter {key!r}")
+        for key, value in hyper.items():
+            setattr(self, key, type(getattr(self, key))(value))
+        self.state = new_state
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with torch's momentum, Nesterov and weight decay.
+
+    ``d = grad + weight_decay * p``; with momentum ``buf = d`` on the first step, then
+    ``buf = momentum * buf + (1 - dampening) * d``; ``d = d + momentum * buf`` (Nesterov)
+    or ``d = buf``; finally ``p -= lr * d``.
+    """
+
+    _hyper_names = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+    _state_arrays = ("momentum_buffer",)
+
+    def __init__(self, params: Iterable[Parameter], lr: float, momentum: float = 0.0,
+                 nesterov: bool = False, weight_decay: float = 0.0,
+                 dampening: float = 0.0) -> None:
+        super().__init__(params, lr)
+        if not momentum >= 0:
+            raise ValueError(f"momentum must be >= 0, got {momentum}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires momentum > 0 and dampening == 0")
+        self.momentum = float(momentum)
+        self.nesterov = bool(nesterov)
+        self.weight_decay = float(weight_decay)
+        self.dampening = float(dampening)
+
+    def _update(self, p: Parameter, state: dict[str, Any]) -> None:
+        d = p.grad
+        if self.weight_decay != 0:
+            d = d + self.weight_decay * p.data
+        if self.momentum != 0:
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = np.array(d, dtype=p.data.dtype, copy=True)
+            else:
+                buf *= self.momentum
+                buf += (1 - self.dampening) * d
+            d = d + self.momentum * buf if self.nesterov else buf
+        p.data -= self.lr * d
+
+
+class Adam(Optimizer):
+    """Adam with torch's bias correction and L2 ``weight_decay`` (added to the gradient).
+
+    Per parameter: ``step += 1``; ``g = grad + weight_decay * p``;
+    ``m = beta1 * m + (1 - beta1) * g``; ``v = beta2 * v + (1 - beta2) * g * g``;
+    ``p -= lr / (1 - beta1**step) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)``.
+    With ``amsgrad`` the running maximum of ``v`` replaces ``v`` in the denominator.
+    """
+
+    _hyper_names = ("lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad")
+    _state_arrays = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def __init__(self, params: Iterable[Parameter], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False) -> None:
+        super().__init__(params, lr)
+        beta1, beta2 = betas
+        for name, beta in (("beta1", beta1), ("beta2", beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {beta}")
+        if not eps >= 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        self.beta1 = float(beta1)
+        self.beta2 = float(beta2)
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        self.amsgrad = bool(amsgrad)
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        return (self.beta1, self.beta2)
+
+    def _update(self, p: Parameter, state: dict[str, Any]) -> None:
+        if "step" not in state:
+            state["step"] = 0
+            state["exp_avg"] = np.zeros_like(p.data)
+            state["exp_avg_sq"] = np.zeros_like(p.data)
+            if self.amsgrad:
+                state["max_exp_avg_sq"] = np.zeros_like(p.data)
+        state["step"] += 1
+        step = state["step"]
+        g = p.grad
+        if self.weight_decay != 0:
+            g = g + self.weight_decay * p.data
+        m = state["exp_avg"]
+        v = state["exp_avg_sq"]
+        m *= self.beta1
+        m += (1 - self.beta1) * g
+        v *= self.beta2
+        v += (1 - self.beta2) * (g * g)
+        bias_correction1 = 1 - self.beta1 ** step
+        bias_correction2 = 1 - self.beta2 ** step
+        if self.amsgrad:
+            vmax = state.setdefault("max_exp_avg_sq", np.zeros_like(p.data))
+            np.maximum(vmax, v, out=vmax)
+            v = vmax
+        denom = np.sqrt(v) / math.sqrt(bias_correction2) + self.eps
+        p.data -= (self.lr / bias_correction1) * (m / denom)
