@@ -14,6 +14,7 @@ earlier frame is still landing: unexpected messages are queued as futures at cla
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +70,20 @@ class Landing:
         else:
             self._future.set_result(self._result)
 
+    def fail(self, error: Exception) -> None:
+        """The payload will never be complete (the connection died): wake its receiver.
+
+        ``PeerMailbox.fail`` cannot reach a frame that is already landing into a posted
+        ``recv``, since claiming took it off the posted queue; the reader fails it here.
+        """
+        if not self._future.done():
+            self._future.set_exception(error)
+
+    @property
+    def withdrawn(self) -> bool:
+        """True if the receiver gave up (timeout, cancellation) before ``complete()``."""
+        return self._future.cancelled()
+
 
 class PeerMailbox:
     """Receive state for messages from one peer rank."""
@@ -91,9 +106,14 @@ class PeerMailbox:
 
     # -- reader side -------------------------------------------------------------------
 
+    def has_posted(self, tag: int) -> bool:
+        """True if a ``recv`` is waiting on ``tag`` (the next frame lands in place)."""
+        queue = self._posted.get(tag)
+        return bool(queue) and any(not entry.future.done() for entry in queue)
+
     def claim(self, tag: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Landing:
         """Reserve the destination for the next frame on ``tag`` (header already decoded)."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         posted = self._posted.get(tag)
         while posted:
             entry = posted.popleft()
@@ -170,18 +190,44 @@ class PeerMailbox:
 
     async def _wait(self, future: asyncio.Future[np.ndarray], tag: int, timeout: float,
                     started: float, withdraw: _PostedRecv | None) -> np.ndarray:
-        try:
-            async with asyncio.timeout(timeout):
-                return await asyncio.shield(future) if withdraw is None else await future
-        except TimeoutError:
-            elapsed = asyncio.get_running_loop().time() - started
-            raise NetdistTimeoutError(
-                f"recv from rank {self.peer} (tag {tag}) timed out after {elapsed:.2f}s"
-            ) from None
-        finally:
-            if withdraw is not None and not future.done():
+        if withdraw is None:  # an unexpected message: already here, or still landing
+            if future.done():
+                return future.result()
+            try:
+                async with asyncio.timeout(timeout):
+                    return await asyncio.shield(future)
+            except TimeoutError:
+                raise self._timeout_error(tag, started) from None
+        # A posted receive owns its future, so a plain timer that cancels it is enough
+        # (asyncio.timeout costs several microseconds per call on the latency path).
+        loop = asyncio.get_running_loop()
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            if not future.done():
+                expired = True
                 future.cancel()
+
+        handle = loop.call_later(timeout, expire)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if expired and (task is None or task.cancelling() == 0):
+                raise self._timeout_error(tag, started) from None
+            raise
+        finally:
+            handle.cancel()
+            if not future.done():
+                future.cancel()
+            if future.cancelled():
                 self._discard(tag, withdraw)
+
+    def _timeout_error(self, tag: int, started: float) -> NetdistTimeoutError:
+        elapsed = asyncio.get_running_loop().time() - started
+        return NetdistTimeoutError(
+            f"recv from rank {self.peer} (tag {tag}) timed out after {elapsed:.2f}s")
 
     def _discard(self, tag: int, entry: _PostedRecv) -> None:
         queue = self._posted.get(tag)

@@ -1,0 +1,385 @@
+"""Rendezvous: rank 0 hosts a coordinator; every rank registers and gets the address table.
+
+The coordinator listens at ``config.coordinator`` (port 0 binds a free port and reports
+it). Each rank connects (retrying until ``connect_timeout``, since rank 0 may start
+later), authenticates with the same HMAC handshake as peer connections (the coordinator
+speaks with role ``"coordinator"``), then exchanges control frames whose headers are
+msgpack maps::
+
+    rank -> coordinator   HELLO {op: "register", rank, world_size, host, port}
+    coordinator -> rank   OK    {op: "table", addresses: [[host, port], ...]}   (rank order)
+                    or    ERROR {reason, code, missing}
+                          code: "duplicate_rank" | "world_size" | "timeout" | "bad_request"
+
+The table goes out once every rank has registered. A duplicate rank or a world-size
+mismatch is refused (``RendezvousError`` on the offender, the job continues to wait for
+the right process); ranks that never arrive make every registered rank raise
+``RendezvousTimeoutError`` naming the missing ranks. Strangers and garbage on the port
+are logged and dropped without disturbing the rendezvous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from netdist.config import DistributedConfig, WireLimits
+from netdist.errors import (
+    AuthenticationError,
+    ConnectError,
+    NetdistError,
+    NetdistTimeoutError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
+from netdist.transport.connection import (
+    FrameConnection,
+    listen,
+    open_connection,
+    run_handshake,
+)
+from netdist.wire import (
+    ClientHandshake,
+    ControlFrame,
+    FrameKind,
+    HandshakeIdentity,
+    ServerHandshake,
+    encode_control,
+)
+
+__all__ = ["PeerAddress", "Coordinator", "RendezvousClient", "rendezvous_identity"]
+
+logger = logging.getLogger("netdist.transport")
+
+_TABLE_GRACE = 2.0
+"""Extra seconds a rank waits for the table beyond connect_timeout, so the coordinator's
+own timeout report (which names the missing ranks) arrives first."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddress:
+    """Where a rank's peer listener can be reached."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def rendezvous_identity(config: DistributedConfig, role: str = "rank") -> HandshakeIdentity:
+    """The handshake identity of this process (``role`` "coordinator" for rank 0's server)."""
+    rank = 0 if role == "coordinator" else config.rank
+    return HandshakeIdentity(config.job_id, rank, config.world_size, config.token, role=role)
+
+
+@dataclass(slots=True)
+class _Registration:
+    address: PeerAddress
+    conn: FrameConnection
+
+
+class Coordinator:
+    """Rank 0's rendezvous server. Start with ``await Coordinator.start(config)``.
+
+    ``address`` is the bound ``(host, port)``; ``wait_finished`` waits until the table
+    was sent to everyone (or the rendezvous failed); ``aclose`` is idempotent.
+    """
+
+    def __init__(self, config: DistributedConfig) -> None:
+        self.config = config
+        self._identity = rendezvous_identity(config, "coordinator")
+        self._loop = asyncio.get_running_loop()
+        self._server: asyncio.Server | None = None
+        self.address: tuple[str, int] = config.coordinator
+        self._registered: dict[int, _Registration] = {}
+        self._conns: set[FrameConnection] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._deadline = self._loop.time() + config.connect_timeout
+        self._finished: asyncio.Future[None] = self._loop.create_future()
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    @classmethod
+    async def start(cls, config: DistributedConfig) -> Coordinator:
+        """Bind the coordinator port and start accepting registrations."""
+        self = cls(config)
+        host, port = config.coordinator
+        self._server, self.address = await listen(
+            host, port, self._new_connection, token=config.token, insecure=config.insecure,
+            what=f"the coordinator at {host}:{port}", fallback_to_all=port != 0)
+        self._timer = self._loop.call_at(self._deadline, self._on_timeout)
+        return self
+
+    @property
+    def finished(self) -> bool:
+        """True once the table went out or the rendezvous failed."""
+        return self._finished.done()
+
+    @property
+    def registered(self) -> tuple[int, ...]:
+        """Ranks registered so far (sorted), for diagnostics."""
+        return tuple(sorted(self._registered))
+
+    async def wait_finished(self, timeout: float) -> None:
+        """Wait (bounded) until every rank got the table or the rendezvous failed."""
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self._finished)
+        except TimeoutError:
+            pass
+
+    # -- connections -------------------------------------------------------------------
+
+    def _new_connection(self) -> FrameConnection:
+        return FrameConnection(_rendezvous_limits(self.config), label="?", on_made=self._on_made,
+                               on_failed=self._on_failed)
+
+    def _on_made(self, conn: FrameConnection) -> None:
+        if self._closed:
+            conn.close(send_bye=False)
+            return
+        self._conns.add(conn)
+        task = self._loop.create_task(self._serve(conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_failed(self, conn: FrameConnection) -> None:
+        if self.finished:
+            return
+        for rank, reg in list(self._registered.items()):
+            if reg.conn is conn:
+                logger.warning("netdist coordinator: rank %d (%s) left before the table was "
+                               "complete: %s", rank, reg.address, conn.failure_reason)
+                del self._registered[rank]
+
+    async def _serve(self, conn: FrameConnection) -> None:
+        where = conn.peername()
+        try:
+            handshake = ServerHandshake(self._identity, peer_label=where)
+            step = await run_handshake(
+                conn, handshake, deadline=self._loop.time() + self.config.connect_timeout,
+                what=f"coordinator handshake with {where}")
+            rank = step.peer_rank
+            conn.label = f"rank {rank} at {where}"
+            frame = await conn.next_control(self._deadline + _TABLE_GRACE,
+                                            f"registration from rank {rank}")
+            self._register(conn, rank, frame)
+            # keep reading until the table goes out, so a rank that dies meanwhile is
+            # noticed (and may be replaced by a restarted process)
+            while not conn.failed and not self.finished:
+                frame = await conn.next_control(self._deadline + _TABLE_GRACE,
+                                                f"rank {rank} after registering")
+                self._refuse(conn, "bad_request",
+                             f"unexpected {frame.kind.name} frame after registration")
+        except (NetdistError, OSError) as exc:
+            if not conn.failed or not self.finished:
+                logger.warning("netdist coordinator: dropped connection from %s: %s",
+                               where, exc)
+            conn.close(send_bye=False, reason=f"dropped: {exc}")
+        except asyncio.CancelledError:
+            conn.close(send_bye=False)
+            raise
+
+    def _refuse(self, conn: FrameConnection, code: str, reason: str,
+                missing: list[int] | None = None) -> None:
+        logger.warning("netdist coordinator: refused %s: %s", conn.label, reason)
+        conn.write_control(encode_control(FrameKind.ERROR, {
+            "reason": reason, "code": code, "missing": missing or []}))
+        conn.close(send_bye=False, reason=reason)
+
+    def _register(self, conn: FrameConnection, rank: int, frame: ControlFrame) -> None:
+        fields = frame.fields
+        if (frame.kind != FrameKind.HELLO or fields.get("op") != "register"
+                or type(fields.get("host")) is not str or type(fields.get("port")) is not int
+                or not 0 < fields["port"] < 65536):
+            self._refuse(conn, "bad_request", f"expected a register request from rank {rank}, "
+                         f"got {frame.kind.name} {sorted(fields)}")
+            return
+        if fields.get("rank") != rank or fields.get("world_size") != self.config.world_size:
+            self._refuse(conn, "world_size",
+                         f"rank {fields.get('rank')!r} registered with world size "
+                         f"{fields.get('world_size')!r}, the coordinator expects "
+                         f"{self.config.world_size}")
+            return
+        if self.finished:
+            self._refuse(conn, "bad_request", "the rendezvous is already over")
+            return
+        previous = self._registered.get(rank)
+        if previous is not None:
+            self._refuse(conn, "duplicate_rank",
+                         f"rank {rank} is already registered (from {previous.conn.peername()},"
+                         f" listening at {previous.address}); this process at "
+                         f"{conn.peername()} has a duplicate rank")
+            return
+        self._registered[rank] = _Registration(PeerAddress(fields["host"], fields["port"]),
+                                               conn)
+        if len(self._registered) == self.config.world_size:
+            self._publish()
+
+    def _publish(self) -> None:
+        table = [[self._registered[r].address.host, self._registered[r].address.port]
+                 for r in range(self.config.world_size)]
+        frame = encode_control(FrameKind.OK, {"op": "table", "addresses": table},
+                               limits=_rendezvous_limits(self.config))
+        self._finish()
+        for reg in list(self._registered.values()):
+            reg.conn.write_control(frame)
+            reg.conn.close(send_bye=False, reason="rendezvous complete")
+
+    def _on_timeout(self) -> None:
+        self._timer = None
+        if self.finished:
+            return
+        missing = [r for r in range(self.config.world_size) if r not in self._registered]
+        reason = (f"rendezvous timed out after {self.config.connect_timeout:.1f}s: "
+                  f"rank{'s' if len(missing) != 1 else ''} "
+                  f"{', '.join(map(str, missing))} never arrived "
+                  f"({len(self._registered)} of {self.config.world_size} registered)")
+        logger.warning("netdist coordinator: %s", reason)
+        self._finish()
+        for reg in list(self._registered.values()):
+            self._refuse(reg.conn, "timeout", reason, missing)
+
+    def _finish(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._finished.done():
+            self._finished.set_result(None)
+
+    async def aclose(self) -> None:
+        """Stop listening, drop connections, cancel and await the coordinator's tasks."""
+        if not self._closed:
+            self._closed = True
+            self._finish()
+            if self._server is not None:
+                self._server.close()
+            for conn in list(self._conns):
+                conn.close(send_bye=False, reason="coordinator closed")
+            for task in list(self._tasks):
+                task.cancel()
+        tasks = list(self._tasks)
+        conns = list(self._conns)
+
+        async def finish() -> None:
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            for conn in conns:
+                await conn.wait_closed(1.0)
+
+        await asyncio.shield(finish())
+
+
+def _rendezvous_limits(config: DistributedConfig) -> WireLimits:
+    """Limits on rendezvous connections: the table grows with the world size."""
+    limits = config.limits
+    need = 1024 + 300 * config.world_size
+    if need <= limits.max_header_bytes:
+        return limits
+    return dataclasses.replace(limits, max_header_bytes=need)
+
+
+class RendezvousClient:
+    """A rank's authenticated connection to the coordinator (see the module docstring)."""
+
+    def __init__(self, config: DistributedConfig, conn: FrameConnection) -> None:
+        self.config = config
+        self._conn = conn
+
+    @classmethod
+    async def connect(cls, config: DistributedConfig, *, deadline: float) -> RendezvousClient:
+        """Reach and authenticate with the coordinator, retrying until ``deadline``.
+
+        Raises ``ConnectError`` (unreachable), ``AuthenticationError`` (refused),
+        ``RendezvousError`` (world-size mismatch) or ``NetdistTimeoutError``.
+        """
+        host, port = config.coordinator
+        where = f"{host}:{port}"
+        label = f"coordinator at {where}"
+        ident = rendezvous_identity(config)
+        while True:
+            conn = await open_connection(
+                host, port, lambda: FrameConnection(_rendezvous_limits(config), label=label),
+                deadline=deadline, retry=True,
+                what=f"rank {config.rank} reaching the coordinator")
+            handshake = ClientHandshake(ident, expect_role="coordinator", peer_label=where)
+            try:
+                await run_handshake(conn, handshake, deadline=deadline,
+                                    what=f"handshake with the {label}",
+                                    first=handshake.initiate())
+            except AuthenticationError as exc:
+                conn.close(send_bye=False)
+                await conn.wait_closed(1.0)
+                if "world size" in str(exc) or "is outside 0.." in str(exc):
+                    raise RendezvousError(str(exc)) from None
+                raise
+            except ConnectError:
+                # dropped mid-handshake (the coordinator may be restarting): try again
+                conn.close(send_bye=False)
+                await conn.wait_closed(1.0)
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+                continue
+            except BaseException:
+                conn.close(send_bye=False)
+                await conn.wait_closed(1.0)
+                raise
+            return cls(config, conn)
+
+    @property
+    def local_host(self) -> str:
+        """Our address on the socket that reached the coordinator (the default advertise)."""
+        local = self._conn.sockname()
+        return "127.0.0.1" if local is None else local[0]
+
+    async def register(self, address: PeerAddress) -> tuple[PeerAddress, ...]:
+        """Register this rank's listen address; wait for the whole table (rank order)."""
+        config = self.config
+        conn = self._conn
+        conn.write_control(encode_control(FrameKind.HELLO, {
+            "op": "register", "rank": config.rank, "world_size": config.world_size,
+            "host": address.host, "port": address.port}))
+        loop = asyncio.get_running_loop()
+        try:
+            frame = await conn.next_control(
+                loop.time() + config.connect_timeout + _TABLE_GRACE,
+                f"rank {config.rank} waiting for the rendezvous table")
+        except NetdistTimeoutError:
+            raise RendezvousTimeoutError(
+                f"rank {config.rank}: the rendezvous at {conn.label} did not complete within "
+                f"{config.connect_timeout:.1f}s (not every rank arrived)") from None
+        fields = frame.fields
+        if frame.kind == FrameKind.ERROR:
+            reason = str(fields.get("reason", "no reason given"))
+            code = fields.get("code")
+            if code == "timeout":
+                missing = tuple(r for r in fields.get("missing", ()) if type(r) is int)
+                raise RendezvousTimeoutError(f"rank {config.rank}: {reason}", missing)
+            raise RendezvousError(f"rank {config.rank} was refused by the {conn.label}: "
+                                  f"{reason}")
+        table = fields.get("addresses")
+        if (frame.kind != FrameKind.OK or fields.get("op") != "table"
+                or not isinstance(table, list) or len(table) != config.world_size
+                or not all(_valid_entry(entry) for entry in table)):
+            raise RendezvousError(f"rank {config.rank}: malformed rendezvous table from the "
+                                  f"{conn.label}: {frame.kind.name} {sorted(fields)}")
+        return tuple(PeerAddress(entry[0], entry[1]) for entry in table)
+
+    async def aclose(self) -> None:
+        """Close the coordinator connection (bounded wait)."""
+        self._conn.close(send_bye=False, reason="rendezvous finished")
+        await self._conn.wait_closed(1.0)
+
+
+def _valid_entry(entry: Any) -> bool:
+    return (isinstance(entry, (list, tuple)) and len(entry) == 2 and type(entry[0]) is str
+            and type(entry[1]) is int and 0 < entry[1] < 65536)
+
+
+OnCoordinatorReady = Callable[[tuple[str, int]], None]
+"""Called by rank 0 with the coordinator's bound address (port 0 resolves here)."""

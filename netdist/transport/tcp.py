@@ -1,0 +1,442 @@
+"""``TcpTransport``: one authenticated TCP connection per pair of ranks.
+
+Start-up (``TcpTransport.connect(config)``):
+
+1. rank 0 starts the rendezvous coordinator (``netdist.transport.rendezvous``);
+2. every rank reaches the coordinator, binds its peer listener on the address the
+   coordinator sees it at (or ``listen_host`` / ``advertise_addr``), registers it and
+   receives the address table;
+3. the higher rank of every pair connects to the lower one; both sides run the HMAC
+   handshake; duplicates and strangers are refused (strangers are logged and dropped,
+   the job is undisturbed);
+4. a monitor task sends HEARTBEAT frames on idle connections and declares a peer lost
+   after ``heartbeat_interval * heartbeat_misses`` of silence -- measured only over time
+   our own event loop was responsive, so a long NumPy computation here never makes a
+   healthy peer look dead.
+
+Data path: see ``netdist.transport.connection`` (zero-copy receive into ``out=``
+through ``asyncio.BufferedProtocol``; sends return once the array's memory is free).
+
+Failure semantics: every wait is bounded (per-call ``timeout``, default
+``config.timeout``); a lost peer fails every pending and later operation on it with
+``PeerLostError`` naming it and saying why; ``aclose()`` sends BYE, so peers report
+"rank N closed its transport", is idempotent and completes under cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import numpy as np
+
+from netdist.config import DistributedConfig
+from netdist.errors import (
+    AuthenticationError,
+    ConnectError,
+    NetdistError,
+    NetdistTimeoutError,
+    TransportClosedError,
+)
+from netdist.transport.barrier import dissemination_barrier
+from netdist.transport.base import MAX_TAG, Transport
+from netdist.transport.connection import (
+    FrameConnection,
+    listen,
+    open_connection,
+    run_handshake,
+)
+from netdist.transport.mailbox import PeerMailbox
+from netdist.transport.rendezvous import (
+    Coordinator,
+    OnCoordinatorReady,
+    PeerAddress,
+    RendezvousClient,
+    rendezvous_identity,
+)
+from netdist.wire import ClientHandshake, FrameKind, ServerHandshake, encode_control, encode_data
+
+__all__ = ["TcpTransport"]
+
+logger = logging.getLogger("netdist.transport")
+
+_HEARTBEAT = encode_control(FrameKind.HEARTBEAT)
+_CLOSE_WAIT = 2.0
+"""Seconds ``aclose`` lets each connection flush its BYE before aborting it."""
+
+
+class TcpTransport(Transport):
+    """The TCP implementation of ``Transport``; build one with ``await connect(config)``.
+
+    Also usable as ``async with await TcpTransport.connect(config) as transport:``, or
+    through ``netdist.init()``.
+    """
+
+    def __init__(self, config: DistributedConfig) -> None:
+        """An unconnected transport; ``connect()`` is the public constructor."""
+        self.config = config
+        self.rank = config.rank
+        self.world_size = config.world_size
+        self.timeout = config.timeout
+        self._limits = config.limits
+        self._loop = asyncio.get_running_loop()
+        self._identity = rendezvous_identity(config)
+        self._mailboxes: list[PeerMailbox | None] = [
+            None if peer == self.rank else PeerMailbox(peer, self._loop)
+            for peer in range(self.world_size)]
+        self._connections: list[FrameConnection | None] = [None] * self.world_size
+        self._handshaking: set[FrameConnection] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._server: asyncio.Server | None = None
+        self._coordinator: Coordinator | None = None
+        self.listen_address: tuple[str, int] | None = None
+        """Where this rank's peer listener is bound (None for world size 1)."""
+        self.peer_addresses: tuple[PeerAddress, ...] = ()
+        """The rendezvous table, rank order."""
+        self._accepted = asyncio.Event()
+        self._closed = False
+        self._close_task: asyncio.Task[None] | None = None
+        self._monitor_task: asyncio.Task[Any] | None = None
+
+    # -- construction --------------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, config: DistributedConfig, *,
+                      on_coordinator_ready: OnCoordinatorReady | None = None) -> TcpTransport:
+        """Rendezvous with the other ranks and connect to all of them.
+
+        Returns once a connection to every other rank is authenticated. Bounded by
+        ``config.connect_timeout`` per phase (reaching the coordinator, waiting for the
+        table, connecting the mesh). Rank 0 calls ``on_coordinator_ready(host, port)``
+        once its coordinator is bound (useful with port 0). On failure everything opened
+        so far is closed and the error is raised: ``ConnectError`` /
+        ``AuthenticationError``, ``RendezvousError``, ``RendezvousTimeoutError``,
+        ``NetdistTimeoutError`` or ``ConfigError``.
+        """
+        self = cls(config)
+        try:
+            await self._establish(on_coordinator_ready)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def _establish(self, on_coordinator_ready: OnCoordinatorReady | None) -> None:
+        config = self.config
+        if self.world_size == 1:
+            return
+        loop = self._loop
+        if self.rank == 0:
+            self._coordinator = await Coordinator.start(config)
+            if on_coordinator_ready is not None:
+                on_coordinator_ready(self._coordinator.address)
+            coordinator_config = config.replace(coordinator=self._coordinator.address)
+        else:
+            coordinator_config = config
+        client = await RendezvousClient.connect(
+            coordinator_config, deadline=loop.time() + config.connect_timeout)
+        try:
+            advertise = config.advertise_addr or client.local_host
+            listen_host = config.listen_host or advertise
+            self._server, self.listen_address = await listen(
+                listen_host, 0, self._new_inbound, token=config.token,
+                insecure=config.insecure, what=f"rank {self.rank}'s peer listener",
+                fallback_to_all=config.listen_host is None)
+            table = await client.register(PeerAddress(advertise, self.listen_address[1]))
+        finally:
+            await client.aclose()
+        self.peer_addresses = table
+        if self._coordinator is not None:
+            await self._coordinator.wait_finished(config.connect_timeout)
+            await self._coordinator.aclose()
+            self._coordinator = None
+        await self._connect_mesh(table, loop.time() + config.connect_timeout)
+        self._monitor_task = self._spawn(self._monitor(), "heartbeat monitor")
+
+    async def _connect_mesh(self, table: tuple[PeerAddress, ...], deadline: float) -> None:
+        """Connect to every lower rank; wait for every higher rank to connect to us."""
+        self._check_all_accepted()
+        try:
+            async with asyncio.timeout_at(deadline):
+                async with asyncio.TaskGroup() as group:
+                    for peer in range(self.rank):
+                        group.create_task(self._connect_peer(peer, table[peer], deadline))
+                    group.create_task(self._accepted.wait())
+        except TimeoutError:
+            missing = [p for p in range(self.world_size)
+                       if p != self.rank and self._connections[p] is None]
+            raise NetdistTimeoutError(
+                f"rank {self.rank} could not connect to rank{'s' if len(missing) > 1 else ''}"
+                f" {', '.join(map(str, missing))} within "
+                f"{self.config.connect_timeout:.1f}s") from None
+        except BaseExceptionGroup as group_error:
+            raise _first_error(group_error) from None
+
+    async def _connect_peer(self, peer: int, address: PeerAddress, deadline: float) -> None:
+        label = f"rank {peer}"
+        where = str(address)
+        conn = await open_connection(
+            address.host, address.port,
+            lambda: FrameConnection(self.config.limits, label=label,
+                                    on_failed=self._on_connection_failed),
+            deadline=deadline, retry=True, what=f"rank {self.rank} connecting to {label}")
+        handshake = ClientHandshake(self._identity, expect_role="rank", expect_rank=peer,
+                                    peer_label=where)
+        try:
+            await run_handshake(conn, handshake, deadline=deadline,
+                                what=f"handshake with {label} at {where}",
+                                first=handshake.initiate())
+            if self._closed:
+                raise TransportClosedError(f"rank {self.rank}: transport is closed")
+            if self._connections[peer] is not None:
+                raise AuthenticationError(f"rank {self.rank} is already connected to {label}")
+        except BaseException:
+            conn.close(send_bye=False, reason="handshake failed")
+            await conn.wait_closed(1.0)
+            raise
+        self._adopt(peer, conn)
+
+    def _new_inbound(self) -> FrameConnection:
+        return FrameConnection(self.config.limits, label="?", on_made=self._on_inbound,
+                               on_failed=self._on_connection_failed)
+
+    def _on_inbound(self, conn: FrameConnection) -> None:
+        if self._closed:
+            conn.close(send_bye=False, reason="transport closed")
+            return
+        self._handshaking.add(conn)
+        self._spawn(self._serve_handshake(conn), f"handshake with {conn.label}")
+
+    def _accept_reason(self, rank: int) -> str | None:
+        if rank < self.rank:
+            return (f"rank {rank} must accept a connection from rank {self.rank}, "
+                    "not connect to it")
+        if self._connections[rank] is not None:
+            return f"duplicate connection from rank {rank} (already connected)"
+        if self._closed:
+            return f"rank {self.rank} is closing"
+        return None
+
+    async def _serve_handshake(self, conn: FrameConnection) -> None:
+        where = conn.peername()
+        handshake = ServerHandshake(self._identity, peer_label=where,
+                                    accept_rank=self._accept_reason)
+        try:
+            step = await run_handshake(
+                conn, handshake, deadline=self._loop.time() + self.config.connect_timeout,
+                what=f"handshake with {where}")
+            self._adopt(step.peer_rank, conn)
+        except (NetdistError, OSError) as exc:
+            logger.warning("netdist: rank %d dropped connection from %s: %s",
+                           self.rank, where, exc)
+            conn.close(send_bye=False, reason=f"handshake failed: {exc}")
+        except asyncio.CancelledError:
+            conn.close(send_bye=False, reason="transport closed")
+            raise
+        finally:
+            self._handshaking.discard(conn)
+
+    def _adopt(self, peer: int, conn: FrameConnection) -> None:
+        """A handshake succeeded: ``conn`` carries all traffic with ``peer`` from now on."""
+        if conn.failed:
+            raise conn.error()
+        conn.attach(peer, self._mailboxes[peer], f"rank {peer}")
+        self._connections[peer] = conn
+        self._check_all_accepted()
+
+    def _check_all_accepted(self) -> None:
+        if all(self._connections[p] is not None for p in range(self.rank + 1, self.world_size)):
+            self._accepted.set()
+
+    def _on_connection_failed(self, conn: FrameConnection) -> None:
+        peer = conn.peer_rank
+        if peer is None or self._connections[peer] is not conn or self._closed:
+            return
+        if conn.peer_said_bye:
+            logger.info("netdist: rank %d: %s", self.rank, conn.failure_reason)
+        else:
+            logger.warning("netdist: rank %d lost rank %d: %s", self.rank, peer,
+                           conn.failure_reason)
+
+    # -- liveness ------------------------------------------------------------------------
+
+    async def _monitor(self) -> None:
+        """Heartbeats on idle connections; silence beyond the limit fails the peer."""
+        interval = self.config.heartbeat_interval
+        limit = interval * self.config.heartbeat_misses
+        tick = interval / 4
+        loop = self._loop
+        responsive_since = loop.time()
+        expected = responsive_since + tick
+        while True:
+            await asyncio.sleep(tick)
+            now = loop.time()
+            lag = now - expected
+            expected = now + tick
+            if lag > tick:
+                # our loop was blocked (e.g. NumPy compute): peers' bytes may be sitting
+                # unread in the kernel, so silence is measured from now on
+                responsive_since = now
+                logger.debug("netdist: rank %d event loop was blocked for %.2fs",
+                             self.rank, lag)
+            for conn in self._connections:
+                if conn is None or conn.failed:
+                    continue
+                idle, silent = conn.observe(now)
+                if idle >= interval:
+                    conn.write_control(_HEARTBEAT)
+                silent = min(silent, now - responsive_since)
+                if silent > limit:
+                    conn.fail(
+                        f"rank {conn.peer_rank} sent nothing for {silent:.1f}s (heartbeat "
+                        f"interval {interval:g}s, {self.config.heartbeat_misses} missed): "
+                        "presumed dead")
+
+    def _spawn(self, coro: Any, what: str) -> asyncio.Task[Any]:
+        task = self._loop.create_task(coro, name=f"netdist rank {self.rank}: {what}")
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("netdist: %s failed", task.get_name(), exc_info=task.exception())
+
+    # -- the Transport API ---------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise TransportClosedError(f"{op} on rank {self.rank}: transport is closed")
+
+    @staticmethod
+    def _check_tag(tag: int) -> int:
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) \
+                or not 0 <= tag <= MAX_TAG:
+            raise ValueError(f"tag must be an int in 0..2**63-1, got {tag!r}")
+        return int(tag)
+
+    def _peer_index(self, peer: Any, what: str) -> int:
+        """``peer`` as a list index, validated (cheap for the common case)."""
+        if type(peer) is int and 0 <= peer < self.world_size and peer != self.rank:
+            return peer
+        self.check_peer(peer, what)
+        return int(peer)
+
+    async def send(self, dst: int, data: Any, *, tag: int = 0,
+                   timeout: float | None = None) -> None:
+        """Send ``data`` to ``dst``; returns once ``data``'s memory may be reused.
+
+        Raises ``PeerLostError`` if ``dst`` is gone, ``NetdistTimeoutError`` after
+        ``timeout`` (default ``config.timeout``), ``LocalProtocolError`` for a dtype or
+        size the wire cannot carry. A timeout or cancellation after the frame started
+        going out fails the connection to ``dst`` (see ``Transport.send``).
+        """
+        if self._closed:
+            self._check_open("send")
+        dst = self._peer_index(dst, "dst")
+        if type(tag) is not int or not 0 <= tag <= MAX_TAG:
+            tag = self._check_tag(tag)
+        buffers = encode_data(data, tag=tag, limits=self._limits)
+        conn = self._connections[dst]
+        if conn is None:
+            raise ConnectError(f"send: rank {self.rank} has no connection to rank {dst}")
+        started = self._loop.time()
+        await conn.send_frame(buffers, tag, len(buffers[1]) if len(buffers) > 1 else 0,
+                              started + (self.timeout if timeout is None else timeout),
+                              started)
+
+    async def recv(self, src: int, *, tag: int = 0, out: np.ndarray | None = None,
+                   timeout: float | None = None) -> np.ndarray:
+        """Receive the next message from ``src`` on ``tag`` (into ``out`` if given).
+
+        On timeout or cancellation the posted receive is withdrawn; if its frame was
+        already landing (in ``out``), the connection to ``src`` is failed instead of
+        letting the rest of the frame write into memory the caller got back.
+        """
+        if self._closed:
+            self._check_open("recv")
+        src = self._peer_index(src, "src")
+        if type(tag) is not int or not 0 <= tag <= MAX_TAG:
+            tag = self._check_tag(tag)
+        box = self._mailboxes[src]
+        if box is None:  # pragma: no cover - _peer_index excludes our own rank
+            raise ValueError(f"src {src} is this rank")
+        try:
+            return await box.recv(tag, out, self.timeout if timeout is None else timeout)
+        except (NetdistTimeoutError, asyncio.CancelledError):
+            conn = self._connections[src]
+            if conn is not None:
+                conn.abandon_withdrawn_landing(f"recv from rank {src} (tag {tag}) gave up")
+            raise
+
+    async def barrier(self, *, timeout: float | None = None) -> None:
+        """Dissemination barrier (ceil(log2 n) rounds); ``NetdistTimeoutError`` on timeout."""
+        self._check_open("barrier")
+        await dissemination_barrier(self, self.timeout if timeout is None else timeout)
+
+    async def aclose(self) -> None:
+        """Send BYE to every peer, close every socket, cancel and await internal tasks.
+
+        Idempotent. Pending operations fail with ``TransportClosedError``. If the caller
+        is cancelled, closing still completes (the sockets are closed synchronously; the
+        bounded wait for them runs in a task the next ``aclose`` awaits).
+        """
+        if self._close_task is None:
+            self._begin_close()
+            self._close_task = self._loop.create_task(self._finish_close())
+        await asyncio.shield(self._close_task)
+
+    def _begin_close(self) -> None:
+        self._closed = True
+        rank = self.rank
+
+        def closed_error() -> Exception:
+            return TransportClosedError(f"rank {rank}: transport is closed")
+
+        if self._server is not None:
+            self._server.close()
+        for conn in self._connections:
+            if conn is not None:
+                conn.close(send_bye=True, error=closed_error,
+                           reason=f"rank {rank} closed its transport")
+        for conn in list(self._handshaking):
+            conn.close(send_bye=False, error=closed_error, reason="transport closed")
+        for box in self._mailboxes:
+            if box is not None:
+                box.fail(closed_error)
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _finish_close(self) -> None:
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._coordinator is not None:
+            await self._coordinator.aclose()
+        conns = [c for c in self._connections if c is not None]
+        conns.extend(self._handshaking)
+        if conns:
+            await asyncio.gather(*(c.wait_closed(_CLOSE_WAIT) for c in conns))
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (f"<TcpTransport rank {self.rank}/{self.world_size} {state} "
+                f"listening on {self.listen_address}>")
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The most informative exception of a TaskGroup failure (not a cancellation)."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first_error(exc)
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return group.exceptions[0]
