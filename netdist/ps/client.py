@@ -1,0 +1,435 @@
+"""Worker side of the dedicated parameter servers: ``PSClient``.
+
+::
+
+    async with PSClient(group, num_servers=2) as client:        # ranks 0, 1 serve
+        params = await client.init(model_arrays, optimizer=SGDConfig(lr=0.1, momentum=0.9),
+                                   max_staleness=0)            # worker 0's values win
+        for batch in data:
+            grads = compute_gradients(params, batch)
+            params = await client.step(grads)                  # push + pull, one round trip
+    # leaving the block tells the servers this worker is done (or that it failed)
+
+``step`` is the aggregator-style entry point for server-side optimizers: it returns the
+*new parameters*, not averaged gradients, so a training loop copies them into its model
+(``client.step(grads, out=[p.data for p in model.parameters()])`` does that in place)
+instead of running a local optimizer.
+
+Every request goes to all servers concurrently, one message per server and direction:
+the client packs this server's slices of every tensor into one flat buffer
+(``ShardPlan.pack``) and unpacks the replies the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from netdist.errors import NetdistError, ParameterServerError, PeerLostError
+from netdist.ps._link import Endpoint, GroupLike, Loopback, run_all
+from netdist.ps.protocol import (
+    NO_STALENESS_BOUND,
+    PULL,
+    PUSH,
+    SHARDED_TAG_BASE,
+    Kind,
+    ShardedStream,
+    check_tag_base,
+    decode_header,
+    encode_header,
+    stream_tag,
+)
+from netdist.ps.state import (
+    DEFAULT_BIGARRAY_BOUND,
+    AdamConfig,
+    OptimizerConfig,
+    Segment,
+    SGDConfig,
+    ShardPlan,
+    plan_segments,
+    plan_shards,
+    ps_roles,
+    specs_from_arrays,
+)
+from netdist.transport.base import Transport
+from netdist.types import dtype_from_wire
+
+__all__ = ["PSClient"]
+
+_ERRMSG_TIMEOUT = 5.0
+
+Tensors = Sequence[np.ndarray] | Mapping[str, np.ndarray]
+
+
+class PSClient:
+    """One worker's connection to the ``num_servers`` dedicated servers of its job.
+
+    ``group`` is a ``netdist.collectives.Group`` or a ``Transport``; ranks
+    ``0 .. num_servers-1`` of it run ``PSServer`` and this rank must be a worker rank.
+    ``timeout`` bounds every wait, including a pull held back by the staleness rule.
+    With ``colocated=True`` every rank is a worker and the server ranks also serve; the
+    rank's server and client then share ``loopback`` (``ColocatedPS`` sets this up).
+    """
+
+    def __init__(self, group: GroupLike | Transport, *, num_servers: int,
+                 timeout: float | None = None, tag_base: int = SHARDED_TAG_BASE,
+                 colocated: bool = False, loopback: Loopback | None = None) -> None:
+        if colocated and loopback is None:
+            raise ValueError("a co-located server and worker must share a Loopback "
+                             "(use netdist.ps.ColocatedPS)")
+        self._ep = Endpoint(group, timeout, loopback if colocated else None)
+        self.roles = ps_roles(self._ep.world_size, num_servers, colocated=colocated)
+        if not self.roles.is_worker(self._ep.rank):
+            raise ParameterServerError(
+                f"rank {self._ep.rank} is a server rank (servers are ranks "
+                f"0..{num_servers - 1}); run PSServer there")
+        self.worker_index = self.roles.worker_index(self._ep.rank)
+        self.tag_base = check_tag_base(tag_base)
+        self.plan: ShardPlan | None = None
+        self.names: list[str] = []
+        self.max_staleness: int | None = None
+        self._versions = [0] * num_servers
+        self._push_bufs: list[np.ndarray] = []
+        self._pull_bufs: list[np.ndarray] = []
+        self._segments: list[tuple[Segment, ...]] = []
+        self._dtype = np.dtype(np.float64)
+        self._pushed_since_pull = False
+        self._sequence = 0
+        self._state = "new"  # new -> ready -> closed
+        self.aborted = False
+        """True once this worker told the servers it failed (``abort``)."""
+        self.bytes_sent = 0
+        """Payload bytes this worker has put on the wire (headers and gradients)."""
+
+    # -- properties ----------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._ep.rank
+
+    @property
+    def num_servers(self) -> int:
+        return self.roles.num_servers
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """Per server, the version of the parameters this worker last pulled."""
+        return tuple(self._versions)
+
+    @property
+    def timeout(self) -> float:
+        return self._ep.timeout
+
+    # -- public API ----------------------------------------------------------------------
+
+    async def init(self, params: Tensors, *, optimizer: OptimizerConfig,
+                   max_staleness: int | None = 0,
+                   bigarray_bound: int = DEFAULT_BIGARRAY_BOUND) -> list[np.ndarray]:
+        """Register the model with the servers and return the initial parameters.
+
+        Every worker passes tensors of the same names, shapes and dtype and the same
+        options; the first worker's *values* become the initial parameters, which every
+        worker gets back (fresh arrays, in ``params`` order). ``optimizer`` runs on the
+        servers. ``max_staleness``: 0 = synchronous, ``k`` = bounded staleness, ``None`` =
+        fully asynchronous (see ``StalenessController``).
+        """
+        if self._state != "new":
+            raise ParameterServerError(f"init() on a PSClient that is {self._state}")
+        if not isinstance(optimizer, (SGDConfig, AdamConfig)):
+            raise TypeError("optimizer must be an SGDConfig or AdamConfig, got "
+                            f"{type(optimizer).__name__}")
+        if max_staleness is not None and (not isinstance(max_staleness, int)
+                                          or isinstance(max_staleness, bool)
+                                          or max_staleness < 0):
+            raise ValueError(f"max_staleness must be None or an int >= 0, got {max_staleness!r}")
+        specs = specs_from_arrays(params)
+        plan = plan_shards(specs, self.num_servers, bigarray_bound=bigarray_bound)
+        arrays = self._as_list(params, [s.name for s in specs])
+        meta = msgpack.packb({
+            "specs": [s.to_wire() for s in specs],
+            "num_servers": self.num_servers,
+            "bigarray_bound": int(bigarray_bound),
+            "optimizer": optimizer.to_dict(),
+            "max_staleness": NO_STALENESS_BOUND if max_staleness is None else max_staleness,
+        })
+        first = self.worker_index == 0
+        self._state = "initialising"
+
+        async def one(server: int) -> int:
+            await self._send(server, ShardedStream.CTRL, encode_header(Kind.INIT, int(first)),
+                             "init")
+            await self._send(server, ShardedStream.DATA, np.frombuffer(meta, np.uint8), "init")
+            if first:
+                await self._send(server, ShardedStream.DATA, plan.pack(server, arrays), "init")
+            version, _ = await self._reply(server, [], "init")
+            return version
+
+        versions = await self._all([one(s) for s in range(self.num_servers)])
+        dtype = dtype_from_wire(plan.dtype)
+        self.plan = plan
+        self.names = [s.name for s in specs]
+        self.max_staleness = max_staleness
+        self._versions = list(versions)
+        self._segments = [plan_segments(plan, s) for s in range(self.num_servers)]
+        self._dtype = dtype
+        self._push_bufs = [np.empty(n, dtype) for n in plan.server_sizes]
+        self._pull_bufs = [np.empty(n, dtype) for n in plan.server_sizes]
+        self._state = "ready"
+        return await self.pull()
+
+    async def push(self, grads: Tensors) -> None:
+        """Send gradients (computed on the last pulled parameters) to every server.
+
+        Returns once they are sent, not applied. With ``max_staleness`` set, a ``pull``
+        must follow every ``push``.
+        """
+        plan = self._ready("push")
+        arrays = self._as_list(grads, self.names)
+        plan.check_arrays(arrays, writable=False)
+        self._check_push()
+        await self._all([self._request(s, PUSH, arrays, None, "push")
+                         for s in range(self.num_servers)])
+        self._pushed_since_pull = True
+
+    async def pull(self, *, out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Fetch the parameters from every server (after this worker's push has applied).
+
+        Returns fresh arrays, or writes into ``out`` (C-contiguous, writable, same shapes)
+        and returns it.
+        """
+        plan = self._ready("pull")
+        targets = self._outputs(plan, out)
+        await self._all([self._request(s, PULL, None, targets, "pull")
+                         for s in range(self.num_servers)])
+        self._pushed_since_pull = False
+        return targets
+
+    async def step(self, grads: Tensors, *,
+                   out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Push ``grads`` and pull the updated parameters in one round trip per server.
+
+        The aggregator entry point for server-side optimizers: returns the new
+        parameters (see ``pull`` for ``out``).
+        """
+        plan = self._ready("step")
+        arrays = self._as_list(grads, self.names)
+        plan.check_arrays(arrays, writable=False)
+        targets = self._outputs(plan, out)
+        self._check_push()
+        await self._all([self._request(s, PUSH | PULL, arrays, targets, "step")
+                         for s in range(self.num_servers)])
+        self._pushed_since_pull = False
+        return targets
+
+    async def close(self) -> None:
+        """Tell every server this worker is done. Idempotent."""
+        if self._state == "closed":
+            return
+        if self._state != "ready":
+            await self.abort(f"worker rank {self.rank} closed before init completed")
+            return
+        self._state = "closed"
+        await run_all([self._send(s, ShardedStream.CTRL, encode_header(Kind.DONE), "close")
+                       for s in range(self.num_servers)])
+
+    async def abort(self, reason: str) -> None:
+        """Tell every server this worker failed (best effort); they stop the whole job."""
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        self.aborted = True
+        text = np.frombuffer(reason.encode(), dtype=np.uint8)
+        timeout = min(_ERRMSG_TIMEOUT, self._ep.timeout)
+
+        async def one(server: int) -> None:
+            try:
+                await self._ep.send(server, encode_header(Kind.ABORT),
+                                    self._tag(ShardedStream.CTRL), timeout=timeout)
+                await self._ep.send(server, text, self._tag(ShardedStream.ERRMSG),
+                                    timeout=timeout)
+            except NetdistError:
+                pass
+
+        await asyncio.gather(*(one(s) for s in range(self.num_servers)))
+
+    async def aclose(self) -> None:
+        """Same as ``close``."""
+        await self.close()
+
+    async def __aenter__(self) -> PSClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc is None:
+            await self.close()
+        else:
+            await self.abort(f"worker rank {self.rank} failed: "
+                             f"{type(exc).__name__}: {exc}")
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    async def _all(self, requests: list[Any]) -> list[Any]:
+        """Run one request per server; if one fails, tell the other servers and raise.
+
+        A lost or silent server, or a server's ERROR, ends this worker: it aborts on the remaining
+        servers so they stop the job instead of waiting for it until their timeout.
+        """
+        try:
+            return await run_all(requests)
+        except NetdistError as exc:
+            await self.abort(f"worker rank {self.rank} failed: {exc}")
+            raise
+
+    def _tag(self, stream: ShardedStream, index: int = 0) -> int:
+        return stream_tag(self.tag_base, stream, index)
+
+    def _ready(self, what: str) -> ShardPlan:
+        if self._state != "ready" or self.plan is None:
+            raise ParameterServerError(f"{what}() needs a PSClient after init() and before "
+                                       f"close(); this one is {self._state}")
+        return self.plan
+
+    def _check_push(self) -> None:
+        if self._pushed_since_pull and self.max_staleness is not None:
+            raise ParameterServerError(
+                f"push after push without pull: with max_staleness={self.max_staleness} "
+                "every push must be followed by a pull (or use step())")
+
+    @staticmethod
+    def _as_list(tensors: Tensors, names: Sequence[str]) -> list[np.ndarray]:
+        if isinstance(tensors, Mapping):
+            missing = [n for n in names if n not in tensors]
+            extra = [k for k in tensors if k not in set(names)]
+            if missing or extra:
+                raise ValueError(f"tensors do not match the registered names: missing "
+                                 f"{missing}, unexpected {extra}")
+            return [tensors[n] for n in names]
+        if isinstance(tensors, np.ndarray):
+            raise TypeError("expected a list of arrays, got a single numpy.ndarray")
+        return list(tensors)
+
+    @staticmethod
+    def _outputs(plan: ShardPlan, out: Sequence[np.ndarray] | None) -> list[np.ndarray]:
+        if out is None:
+            dtype = dtype_from_wire(plan.dtype)
+            return [np.empty(s.shape, dtype) for s in plan.specs]
+        targets = list(out)
+        plan.check_arrays(targets, writable=True)
+        return targets
+
+    async def _send(self, server: int, stream: ShardedStream, data: Any, what: str, *,
+                    index: int = 0) -> None:
+        self.bytes_sent += data.nbytes
+        try:
+            await self._ep.send(server, data, self._tag(stream, index))
+        except PeerLostError as exc:
+            raise await self._lost(server, what, exc) from exc
+
+    async def _lost(self, server: int, what: str, exc: PeerLostError) -> ParameterServerError:
+        """The error for a lost server: its own last word if it sent one, else the loss.
+
+        A server that fails tells its workers why before it goes away; that ERROR may
+        already sit in the mailbox while this worker was still sending.
+        """
+        try:
+            raw = await self._ep.recv(server, self._tag(ShardedStream.REPLY), timeout=0.05)
+            kind, _, _, _ = decode_header(raw, peer=server)
+            if kind is Kind.ERROR:
+                text = (await self._ep.recv(server, self._tag(ShardedStream.ERRMSG),
+                                            timeout=0.05)).tobytes().decode(errors="replace")
+                return ParameterServerError(f"{what} on worker rank {self.rank}: {text}")
+        except (NetdistError, ValueError):
+            pass
+        return ParameterServerError(
+            f"{what} on worker rank {self.rank}: lost parameter server rank {server}: "
+            f"{self._ep.describe(exc)}")
+
+    async def _request(self, server: int, flags: int, grads: list[np.ndarray] | None,
+                       targets: list[np.ndarray] | None, what: str) -> None:
+        """One request to ``server``: header, gradient segments, then the reply if pulling.
+
+        Large slices go straight from the gradient tensors and land straight in
+        ``targets``; small ones are packed into (and unpacked from) one buffer each way.
+        """
+        self._sequence += 1
+        header = encode_header(Kind.REQUEST, flags, self._versions[server], self._sequence)
+        await self._send(server, ShardedStream.CTRL, header, what)
+        segments = self._segments[server]
+        if flags & PUSH:
+            if grads is None:  # pragma: no cover - internal misuse
+                raise ParameterServerError("push without gradients")
+            for seg in segments:
+                await self._send(server, ShardedStream.DATA, self._segment_data(seg, grads),
+                                 what, index=seg.index)
+        if flags & PULL:
+            if targets is None:  # pragma: no cover - internal misuse
+                raise ParameterServerError("pull without targets")
+            landing = [self._segment_landing(server, seg, targets) for seg in segments]
+            version, _ = await self._reply(server, landing, what)
+            self._versions[server] = version
+            buffer = self._pull_bufs[server]
+            for seg in segments:
+                if not seg.direct:
+                    for piece in seg.slices:
+                        targets[piece.key].reshape(-1)[piece.start:piece.stop] = \
+                            buffer[piece.offset:piece.offset + piece.size]
+
+    def _segment_data(self, seg: Segment, grads: list[np.ndarray]) -> np.ndarray:
+        """The bytes of one gradient segment: a view of the tensor, or a packed copy."""
+        if seg.direct:
+            piece = seg.slices[0]
+            tensor = grads[piece.key]
+            if tensor.flags.c_contiguous and tensor.dtype == self._dtype:
+                return tensor.reshape(-1)[piece.start:piece.stop]
+        buffer = self._push_bufs[seg.slices[0].server]
+        for piece in seg.slices:
+            buffer[piece.offset:piece.offset + piece.size] = \
+                np.ravel(grads[piece.key])[piece.start:piece.stop]
+        return buffer[seg.offset:seg.offset + seg.size]
+
+    def _segment_landing(self, server: int, seg: Segment,
+                         targets: list[np.ndarray]) -> np.ndarray:
+        if seg.direct:
+            piece = seg.slices[0]
+            return targets[piece.key].reshape(-1)[piece.start:piece.stop]
+        return self._pull_bufs[server][seg.offset:seg.offset + seg.size]
+
+    async def _reply(self, server: int, landing: list[np.ndarray],
+                     what: str) -> tuple[int, int]:
+        """Wait for the server's answer; parameter segment ``i`` lands in ``landing[i]``."""
+        params_tasks = [asyncio.ensure_future(self._ep.recv(  # posted first: lands in place
+            server, self._tag(ShardedStream.PARAMS, i), out=out))
+            for i, out in enumerate(landing)]
+        try:
+            raw = await self._ep.recv(server, self._tag(ShardedStream.REPLY))
+            try:
+                kind, a, b, _ = decode_header(raw, peer=server)
+            except ValueError as exc:
+                raise ParameterServerError(f"{what}: {exc}") from None
+            if kind is Kind.ERROR:
+                try:
+                    text = (await self._ep.recv(server, self._tag(ShardedStream.ERRMSG),
+                                                timeout=min(_ERRMSG_TIMEOUT, self._ep.timeout))
+                            ).tobytes().decode(errors="replace")
+                except NetdistError as exc:
+                    text = f"failed (its error text was lost: {exc})"
+                raise ParameterServerError(f"{what} on worker rank {self.rank}: {text}")
+            if kind is not Kind.OK:
+                raise ParameterServerError(f"{what}: parameter server rank {server} sent "
+                                           f"{kind.name} instead of OK")
+            for task in params_tasks:
+                await task
+            return a, b
+        except PeerLostError as exc:
+            raise await self._lost(server, what, exc) from exc
+        finally:
+            pending = [t for t in params_tasks if not t.done()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*params_tasks, return_exceptions=True)

@@ -1,0 +1,145 @@
+"""PURE wire vocabulary of the parameter server: tags, message kinds, fixed headers.
+
+Every parameter-server message is a plain array on the ``Transport``; control messages
+are a fixed-length ``int64`` header, so no serializer runs on the hot path (parameter
+specifications and error texts are msgpack or UTF-8 bytes, sent once).
+
+Tags live in two ranges below ``2**32`` (the range the transport leaves to applications;
+``netdist.collectives`` allocates above it), one per mode, so a sync parameter server and
+a sharded one can share a transport. Each range is ``base + kind * 2**24 + index``: the
+kind selects the stream (gradients, averages, control, ...), the index a piece or
+segment of it, so every piece has its own tag and posted receives can never be matched
+out of order.
+Pass a different ``tag_base`` to run two parameter servers of the same mode over one
+transport.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+__all__ = [
+    "SYNC_TAG_BASE",
+    "SHARDED_TAG_BASE",
+    "TAG_KIND_STRIDE",
+    "MAX_CHUNKS",
+    "SyncStream",
+    "ShardedStream",
+    "Kind",
+    "PUSH",
+    "PULL",
+    "HEADER_LEN",
+    "NO_STALENESS_BOUND",
+    "stream_tag",
+    "encode_header",
+    "decode_header",
+    "check_tag_base",
+]
+
+SYNC_TAG_BASE = 0x5000_0000
+"""Default tag base of ``ParameterServer`` (sync, rank-0 server)."""
+
+SHARDED_TAG_BASE = 0x6000_0000
+"""Default tag base of ``PSServer`` / ``PSClient`` (dedicated servers)."""
+
+TAG_KIND_STRIDE = 2**24
+MAX_CHUNKS = TAG_KIND_STRIDE
+"""Upper bound on chunks per stream (one tag each)."""
+
+_TAG_SPAN = 8 * TAG_KIND_STRIDE
+"""Tags used by one parameter server: 8 streams of ``TAG_KIND_STRIDE`` tags."""
+
+
+class SyncStream(enum.IntEnum):
+    """Streams of the sync rank-0 parameter server."""
+
+    GRAD = 0
+    """worker -> server: gradient piece k on tag ``GRAD + k`` (see ``plan_pieces``)."""
+    AVG = 1
+    """server -> worker: averaged gradient piece k."""
+    PARAMS = 2
+    """server -> worker: parameter piece k (``broadcast_params``)."""
+    ERROR = 3
+    """server -> worker: UTF-8 text of a failure that ends the round on every rank."""
+    LAYOUT = 4
+    """worker -> server: msgpack signature of a new tensor layout (sent once per layout)."""
+
+
+class ShardedStream(enum.IntEnum):
+    """Streams between dedicated servers and their workers."""
+
+    CTRL = 0
+    """worker -> server: ``int64`` header (``Kind``, flags, version)."""
+    DATA = 1
+    """worker -> server: spec bytes and initial values (index 0, at init), then gradient
+    segment k on ``DATA + k`` (see ``plan_segments``)."""
+    REPLY = 2
+    """server -> worker: ``int64`` header answering INIT / PULL, or ERROR."""
+    PARAMS = 3
+    """server -> worker: parameter segment k on ``PARAMS + k`` (after an OK reply to a pull)."""
+    ERRMSG = 4
+    """server -> worker / worker -> server: UTF-8 error text after an ERROR/ABORT header."""
+
+
+class Kind(enum.IntEnum):
+    """Header kinds (slot 0 of every header)."""
+
+    INIT = 1
+    """worker -> server: [INIT, has_values, 0, 0], then spec bytes (+ values from worker 0)."""
+    REQUEST = 2
+    """worker -> server: [REQUEST, flags (PUSH|PULL), base version, sequence]."""
+    DONE = 3
+    """worker -> server: the worker has finished; no more messages from it."""
+    ABORT = 4
+    """worker -> server: the worker failed; error text follows on ERRMSG."""
+    OK = 5
+    """server -> worker: [OK, version, max_staleness or -1, 0] (+ params for a pull)."""
+    ERROR = 6
+    """server -> worker: [ERROR, culprit rank or -1, 0, 0]; error text follows."""
+
+
+PUSH = 1
+"""REQUEST flag: a gradient shard follows on DATA."""
+PULL = 2
+"""REQUEST flag: answer with the parameters once this worker's push is applied."""
+
+HEADER_LEN = 4
+NO_STALENESS_BOUND = -1
+"""``max_staleness=None`` (fully asynchronous) on the wire."""
+
+
+def check_tag_base(tag_base: int) -> int:
+    """Validate a tag base: the whole span must fit below ``2**32``."""
+    if not isinstance(tag_base, int) or isinstance(tag_base, bool):
+        raise TypeError(f"tag_base must be an int, got {type(tag_base).__name__}")
+    if not 0 <= tag_base <= 2**32 - _TAG_SPAN:
+        raise ValueError(f"tag_base must be in 0..{2**32 - _TAG_SPAN} so the parameter "
+                         f"server's tags stay below 2**32, got {tag_base}")
+    return tag_base
+
+
+def stream_tag(tag_base: int, stream: int, index: int = 0) -> int:
+    """The transport tag of chunk ``index`` of ``stream``."""
+    if not 0 <= index < MAX_CHUNKS:
+        raise ValueError(f"chunk index {index} is outside 0..{MAX_CHUNKS - 1}")
+    return tag_base + int(stream) * TAG_KIND_STRIDE + index
+
+
+def encode_header(kind: Kind, a: int = 0, b: int = 0, c: int = 0) -> np.ndarray:
+    """A fixed-length ``int64`` header ``[kind, a, b, c]``."""
+    return np.array([int(kind), a, b, c], dtype=np.int64)
+
+
+def decode_header(header: np.ndarray, *, peer: int) -> tuple[Kind, int, int, int]:
+    """Parse a header from ``peer``; ``ValueError`` if it is not one."""
+    if header.dtype != np.int64 or header.shape != (HEADER_LEN,):
+        raise ValueError(f"rank {peer} sent a {header.dtype}{list(header.shape)} message "
+                         f"where a parameter-server header (int64[{HEADER_LEN}]) belongs")
+    try:
+        kind = Kind(int(header[0]))
+    except ValueError:
+        raise ValueError(f"rank {peer} sent unknown parameter-server message kind "
+                         f"{int(header[0])}") from None
+    return kind, int(header[1]), int(header[2]), int(header[3])

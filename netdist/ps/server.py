@@ -1,0 +1,426 @@
+"""Dedicated parameter-server processes: sharded parameters, server-side optimizer.
+
+A job of ``world_size`` ranks runs ``S`` servers (ranks ``0 .. S-1``) and ``W`` workers
+(ranks ``S .. world_size-1``); ``netdist ps-server`` runs the server side. Parameters are
+placed by ``plan_shards`` -- large tensors sliced across all servers, small ones whole in
+balanced key ranges -- so every server handles about ``1/S`` of the traffic and of the
+optimizer work. Workers use ``netdist.ps.PSClient``.
+
+Protocol, per worker and server (all messages on the server's tag range):
+
+1. *init*: every worker sends ``INIT`` with its parameter specs (msgpack) and, from the
+   first worker only, the initial values of this server's shard; worker 0 also chooses the
+   optimizer and ``max_staleness``. Every worker must describe the same tensors and
+   options, or every rank fails with a ``ParameterServerError`` naming the odd one out.
+   The server answers ``OK`` with its version.
+2. *requests*: ``REQUEST`` headers carrying ``PUSH`` (a gradient shard follows) and/or
+   ``PULL`` (answer with this shard once the worker's push has applied), and the version
+   the gradient was computed on. ``StalenessController`` decides when pushes apply: with
+   ``max_staleness=0`` all workers' gradients of a version are averaged into one update
+   (synchronous SGD); with ``k`` a push applies when no worker would fall more than ``k``
+   versions behind; with ``None`` every push applies on arrival. An update sums the
+   gradients in worker order, divides by ``W`` and runs the optimizer on the shard.
+3. *shutdown*: a worker sends ``DONE``; the server returns from ``run()`` once every
+   worker is done. A worker that fails sends ``ABORT`` with its error.
+
+A lost, silent (past the timeout) or aborting worker makes the server send ``ERROR`` with
+the reason to every other worker still running -- they raise ``ParameterServerError``
+naming that worker -- and raise it itself. A lost server is seen by the workers' own
+transport. Nothing waits longer than the timeout; note that the timeout also bounds how
+long a worker may stay silent between requests (a long evaluation needs a long timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from netdist.errors import (
+    NetdistError,
+    NetdistTimeoutError,
+    ParameterServerError,
+    PeerLostError,
+)
+from netdist.ps._link import Endpoint, GroupLike, Loopback, RankFailure, first_error, run_all
+from netdist.ps.protocol import (
+    NO_STALENESS_BOUND,
+    PULL,
+    PUSH,
+    SHARDED_TAG_BASE,
+    Kind,
+    ShardedStream,
+    check_tag_base,
+    decode_header,
+    encode_header,
+    stream_tag,
+)
+from netdist.ps.state import (
+    ParamSpec,
+    Segment,
+    ShardOptimizer,
+    ShardPlan,
+    StalenessController,
+    VersionLogEntry,
+    optimizer_config_from_dict,
+    plan_segments,
+    plan_shards,
+    ps_roles,
+)
+from netdist.transport.base import Transport
+from netdist.types import dtype_from_wire
+
+__all__ = ["PSServer", "ServerReport", "serve"]
+
+_NOTIFY_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServerReport:
+    """What a server did: its index, final version and the log of every applied push."""
+
+    server: int
+    version: int
+    log: tuple[VersionLogEntry, ...]
+    num_workers: int
+
+    @property
+    def max_staleness_observed(self) -> int:
+        return max((e.staleness for e in self.log), default=0)
+
+
+class PSServer:
+    """One dedicated server rank; ``await run()`` serves until every worker is done.
+
+    ``group`` is a ``netdist.collectives.Group`` or a ``Transport``; its first
+    ``num_servers`` ranks are servers and this must be one of them. The workers are the
+    other ranks or, with ``colocated=True``, every rank (this one included, reached
+    through ``loopback``; ``ColocatedPS`` sets this up).
+    """
+
+    def __init__(self, group: GroupLike | Transport, *, num_servers: int,
+                 timeout: float | None = None, tag_base: int = SHARDED_TAG_BASE,
+                 colocated: bool = False, loopback: Loopback | None = None) -> None:
+        if colocated and loopback is None:
+            raise ValueError("a co-located server and worker must share a Loopback "
+                             "(use netdist.ps.ColocatedPS)")
+        self._ep = Endpoint(group, timeout, loopback if colocated else None)
+        self.roles = ps_roles(self._ep.world_size, num_servers, colocated=colocated)
+        if not self.roles.is_server(self._ep.rank):
+            raise ParameterServerError(
+                f"rank {self._ep.rank} is a worker rank (servers are ranks "
+                f"0..{num_servers - 1}); run PSClient there")
+        self.server = self._ep.rank
+        self.tag_base = check_tag_base(tag_base)
+        self._workers = list(self.roles.worker_ranks)
+        self.plan: ShardPlan | None = None
+        self.params: np.ndarray | None = None
+        """This server's flat parameter shard (after init)."""
+        self.optimizer: ShardOptimizer | None = None
+        self.clock: StalenessController | None = None
+        self._grads: list[np.ndarray] = []
+        self._segments: tuple[Segment, ...] = ()
+        self._acc: np.ndarray | None = None
+        self._readers = 0
+        self._changed = asyncio.Condition()
+        self._apply_lock = asyncio.Lock()
+        self._done = False
+        self._started = False
+
+    # -- public --------------------------------------------------------------------------
+
+    @property
+    def timeout(self) -> float:
+        return self._ep.timeout
+
+    @property
+    def version(self) -> int:
+        return 0 if self.clock is None else self.clock.version
+
+    @property
+    def log(self) -> list[VersionLogEntry]:
+        """One entry per applied push (worker index, its version, the server version)."""
+        return [] if self.clock is None else list(self.clock.log)
+
+    async def run(self) -> ServerReport:
+        """Initialise from the workers, serve their requests, return when all are done.
+
+        Raises ``ParameterServerError`` (after telling every other worker) when a worker is
+        lost, aborts or breaks the protocol, ``NetdistTimeoutError`` when one stays silent
+        past the timeout. Cancellation leaves the workers to their own timeouts.
+        """
+        if self._started:
+            raise ParameterServerError("PSServer.run() can be called only once")
+        self._started = True
+        try:
+            await self._initialise()
+            await self._serve()
+        except RankFailure as failure:
+            worker = failure.rank
+            message = (f"parameter server rank {self.server} lost worker rank {worker}: "
+                       f"{failure.what}: {self._ep.describe(failure.error)}")
+            await self._notify(message, skip=worker if isinstance(
+                failure.error, PeerLostError) else None)
+            if isinstance(failure.error, NetdistTimeoutError):
+                raise NetdistTimeoutError(message) from failure.error
+            raise ParameterServerError(message) from failure.error
+        except ParameterServerError as exc:
+            await self._notify(f"parameter server rank {self.server}: {exc}", skip=None)
+            raise
+        finally:
+            self._done = True
+            async with self._changed:
+                self._changed.notify_all()
+        clock = self.clock
+        if clock is None:  # pragma: no cover - _initialise sets it
+            raise ParameterServerError("server finished without initialising")
+        return ServerReport(self.server, clock.version, tuple(clock.log), len(self._workers))
+
+    async def wait_until(self, predicate: Callable[[PSServer], bool], *,
+                         timeout: float | None = None) -> None:
+        """Wait until ``predicate(self)`` holds (checked after every state change).
+
+        For tests and monitoring, e.g. ``wait_until(lambda s: s.clock.blocked)``.
+        """
+        async with asyncio.timeout(self._ep.timeout if timeout is None else timeout):
+            async with self._changed:
+                await self._changed.wait_for(lambda: self._done or predicate(self))
+
+    # -- init ----------------------------------------------------------------------------
+
+    def _tag(self, stream: ShardedStream, index: int = 0) -> int:
+        return stream_tag(self.tag_base, stream, index)
+
+    async def _recv(self, worker: int, stream: ShardedStream, what: str,
+                    out: np.ndarray | None = None, index: int = 0) -> np.ndarray:
+        try:
+            return await self._ep.recv(worker, self._tag(stream, index), out=out)
+        except NetdistError as exc:
+            raise RankFailure(worker, what, exc) from exc
+
+    async def _send(self, worker: int, stream: ShardedStream, data: Any, what: str, *,
+                    index: int = 0) -> None:
+        try:
+            await self._ep.send(worker, data, self._tag(stream, index))
+        except NetdistError as exc:
+            raise RankFailure(worker, what, exc) from exc
+
+    async def _recv_header(self, worker: int, what: str) -> tuple[Kind, int, int, int]:
+        raw = await self._recv(worker, ShardedStream.CTRL, what)
+        try:
+            return decode_header(raw, peer=worker)
+        except ValueError as exc:
+            raise RankFailure(worker, what, ParameterServerError(str(exc))) from None
+
+    async def _recv_init(self, worker: int) -> tuple[dict[str, Any], np.ndarray | None]:
+        kind, has_values, _, _ = await self._recv_header(worker, "waiting for INIT")
+        if kind is Kind.ABORT:
+            await self._aborted(worker)
+        if kind is not Kind.INIT:
+            raise RankFailure(worker, "waiting for INIT",
+                              ParameterServerError(f"sent {kind.name} before INIT"))
+        raw = await self._recv(worker, ShardedStream.DATA, "receiving parameter specs")
+        try:
+            meta = msgpack.unpackb(raw.tobytes())
+            if not isinstance(meta, dict):
+                raise ValueError("not a map")
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise RankFailure(worker, "receiving parameter specs",
+                              ParameterServerError(f"unreadable specs: {exc}")) from None
+        values = None
+        if has_values:
+            values = await self._recv(worker, ShardedStream.DATA, "receiving initial values")
+        return meta, values
+
+    async def _initialise(self) -> None:
+        received = await run_all([self._recv_init(w) for w in self._workers])
+        first_meta, values = received[0]
+        first = self._workers[0]
+        for worker, (meta, _) in zip(self._workers[1:], received[1:]):
+            for key in sorted(set(first_meta) | set(meta)):
+                if meta.get(key) != first_meta.get(key):
+                    raise ParameterServerError(
+                        f"worker rank {worker} passed {key}={meta.get(key)!r} but worker "
+                        f"rank {first} passed {first_meta.get(key)!r}; every worker must "
+                        "init with the same tensors and options")
+        try:
+            specs = [ParamSpec.from_wire(s) for s in first_meta["specs"]]
+            if first_meta["num_servers"] != self.roles.num_servers:
+                raise ValueError(f"workers expect {first_meta['num_servers']} servers, the "
+                                 f"job has {self.roles.num_servers}")
+            plan = plan_shards(specs, self.roles.num_servers,
+                               bigarray_bound=int(first_meta["bigarray_bound"]))
+            optimizer = optimizer_config_from_dict(first_meta["optimizer"])
+            staleness = first_meta["max_staleness"]
+            clock = StalenessController(len(self._workers),
+                                        None if staleness == NO_STALENESS_BOUND else staleness)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ParameterServerError(f"invalid init from worker rank {first}: {exc}") from None
+        size = plan.server_sizes[self.server]
+        dtype = dtype_from_wire(plan.dtype)
+        if values is None or values.dtype != dtype or values.shape != (size,):
+            got = "nothing" if values is None else f"{values.dtype}{list(values.shape)}"
+            raise ParameterServerError(f"worker rank {first} sent {got} as initial values; "
+                                       f"server {self.server} holds {plan.dtype}[{size}]")
+        self.plan = plan
+        self.params = values
+        self.optimizer = ShardOptimizer(optimizer, size, dtype)
+        self.clock = clock
+        self._segments = plan_segments(plan, self.server)
+        self._grads = [np.empty(size, dtype) for _ in self._workers]
+        self._acc = np.empty(size, dtype)
+        wire_staleness = NO_STALENESS_BOUND if clock.max_staleness is None else clock.max_staleness
+        ok = encode_header(Kind.OK, 0, wire_staleness)
+        await run_all([self._send(w, ShardedStream.REPLY, ok, "answering INIT")
+                       for w in self._workers])
+
+    # -- serving -------------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for index, worker in enumerate(self._workers):
+                    tg.create_task(self._serve_worker(index, worker))
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+
+    async def _aborted(self, worker: int) -> None:
+        try:
+            raw = await self._ep.recv(worker, self._tag(ShardedStream.ERRMSG),
+                                      timeout=min(_NOTIFY_TIMEOUT, self._ep.timeout))
+            text = raw.tobytes().decode(errors="replace")
+        except NetdistError as exc:
+            text = f"(its error text was lost: {exc})"
+        raise RankFailure(worker, "worker aborted", ParameterServerError(text))
+
+    async def _serve_worker(self, index: int, worker: int) -> None:
+        clock = self.clock
+        if clock is None:  # pragma: no cover - set by _initialise
+            raise ParameterServerError("server used before init")
+        while True:
+            kind, flags, base, _ = await self._recv_header(worker, "waiting for its next request")
+            if kind is Kind.DONE:
+                clock.finish(index)
+                await self._advance()
+                return
+            if kind is Kind.ABORT:
+                await self._aborted(worker)
+            if kind is not Kind.REQUEST or not flags or flags & ~(PUSH | PULL):
+                raise RankFailure(worker, "serving", ParameterServerError(
+                    f"unexpected {kind.name} message (flags {flags})"))
+            if flags & PUSH:
+                try:
+                    clock.check_push(index, base)
+                except ParameterServerError as exc:
+                    raise RankFailure(worker, "push", exc) from None
+                # land the gradient first: once pending, another worker's push may apply it
+                grad = self._grads[index]
+                await run_all([self._recv(worker, ShardedStream.DATA,
+                                          f"receiving gradient of version {base}",
+                                          out=grad[seg.offset:seg.offset + seg.size],
+                                          index=seg.index)
+                               for seg in self._segments])
+                clock.on_push(index, base)
+                await self._advance()
+            if flags & PULL:
+                await self._answer_pull(index, worker)
+
+    async def _advance(self) -> None:
+        """Apply every update the staleness rule allows, then wake waiting pulls."""
+        clock = self.clock
+        if clock is None:  # pragma: no cover
+            return
+        async with self._apply_lock:
+            while True:
+                update = clock.next_update()
+                if update is None:
+                    break
+                if self._readers:  # a pull reply is being sent from the shard: let it finish
+                    async with self._changed:
+                        await self._changed.wait_for(lambda: self._readers == 0)
+                    continue
+                self._apply(update)
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _apply(self, update: tuple[int, ...]) -> None:
+        acc, params, optimizer, clock = self._acc, self.params, self.optimizer, self.clock
+        if acc is None or params is None or optimizer is None or clock is None:
+            raise ParameterServerError("server used before init")  # pragma: no cover
+        if len(update) == 1:
+            np.copyto(acc, self._grads[update[0]])
+        else:  # same bits as copy-then-add, one pass fewer
+            np.add(self._grads[update[0]], self._grads[update[1]], out=acc)
+        for w in update[2:]:
+            np.add(acc, self._grads[w], out=acc)
+        np.divide(acc, len(self._workers), out=acc)
+        optimizer.step(params, acc)
+        clock.commit(update)
+
+    async def _answer_pull(self, index: int, worker: int) -> None:
+        clock = self.clock
+        if clock is None:  # pragma: no cover
+            return
+        try:
+            async with asyncio.timeout(self._ep.timeout):
+                async with self._changed:
+                    await self._changed.wait_for(lambda: clock.can_pull(index))
+        except TimeoutError:
+            # blame the laggard that holds the update back, not the worker waiting for it
+            laggards = sorted((clock.base(w), w) for w in clock.active
+                              if w != index and clock.can_pull(w))
+            culprit = self._workers[laggards[0][1]] if laggards else worker
+            base = laggards[0][0] if laggards else clock.base(index)
+            raise RankFailure(culprit, "holding up the others", NetdistTimeoutError(
+                f"worker rank {worker}'s push waited {self._ep.timeout:.2f}s for worker rank "
+                f"{culprit} (at version {base}; server version {clock.version}, "
+                f"max_staleness={clock.max_staleness})")) from None
+        self._readers += 1
+        try:
+            version = clock.on_pull(index)
+            await self._send(worker, ShardedStream.REPLY, encode_header(Kind.OK, version),
+                             "answering pull")
+            params = self.params
+            if params is None:  # pragma: no cover - set by _initialise
+                raise ParameterServerError("server used before init")
+            for seg in self._segments:
+                await self._send(worker, ShardedStream.PARAMS,
+                                 params[seg.offset:seg.offset + seg.size],
+                                 "sending parameters", index=seg.index)
+        finally:
+            self._readers -= 1
+            async with self._changed:
+                self._changed.notify_all()
+        await self._advance()  # a newer base may release pushes held for this worker
+
+    async def _notify(self, message: str, skip: int | None) -> None:
+        """Tell every worker still running why the server stops (best effort)."""
+        clock = self.clock
+        targets = [w for i, w in enumerate(self._workers) if w != skip and (
+            clock is None or i in clock.active)]
+        text = np.frombuffer(message.encode(), dtype=np.uint8)
+        culprit = -1 if skip is None else skip
+        timeout = min(_NOTIFY_TIMEOUT, self._ep.timeout)
+
+        async def one(worker: int) -> None:
+            try:
+                await self._ep.send(worker, encode_header(Kind.ERROR, culprit),
+                                    self._tag(ShardedStream.REPLY), timeout=timeout)
+                await self._ep.send(worker, text, self._tag(ShardedStream.ERRMSG),
+                                    timeout=timeout)
+            except NetdistError:
+                pass  # unreachable: it sees its own transport error
+
+        await asyncio.gather(*(one(w) for w in targets))
+
+
+async def serve(group: GroupLike | Transport, *, num_servers: int,
+                timeout: float | None = None,
+                tag_base: int = SHARDED_TAG_BASE) -> ServerReport:
+    """Run one dedicated server on this rank until every worker is done."""
+    return await PSServer(group, num_servers=num_servers, timeout=timeout,
+                          tag_base=tag_base).run()

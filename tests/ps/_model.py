@@ -1,0 +1,77 @@
+"""A tiny NumPy MLP with hand-written gradients, shared by the parameter-server tests.
+
+Kept local so the parameter-server tests depend on nothing above ``netdist.ps``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def init_mlp(rng: np.random.Generator, sizes: tuple[int, ...] = (6, 16, 3),
+             dtype: type = np.float64) -> list[np.ndarray]:
+    """[W1, b1, W2, b2, ...] with W of shape (out, in)."""
+    params = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+        params.append((rng.standard_normal((fan_out, fan_in)) / np.sqrt(fan_in)).astype(dtype))
+        params.append((0.1 * rng.standard_normal(fan_out)).astype(dtype))
+    return params
+
+
+def mse_grads(params: list[np.ndarray], x: np.ndarray,
+              y: np.ndarray) -> tuple[float, list[np.ndarray]]:
+    """Mean squared error over the batch and its gradients (same order as ``params``)."""
+    layers = len(params) // 2
+    acts = [x]
+    h = x
+    for i in range(layers):
+        h = h @ params[2 * i].T + params[2 * i + 1]
+        if i < layers - 1:
+            h = np.tanh(h)
+        acts.append(h)
+    diff = acts[-1] - y
+    loss = float(np.mean(np.sum(diff * diff, axis=1)))
+    delta = 2.0 * diff / x.shape[0]
+    grads: list[np.ndarray] = [np.empty(0)] * len(params)
+    for i in reversed(range(layers)):
+        grads[2 * i] = delta.T @ acts[i]
+        grads[2 * i + 1] = delta.sum(axis=0)
+        if i > 0:
+            delta = (delta @ params[2 * i]) * (1.0 - acts[i] ** 2)
+    return loss, grads
+
+
+def softmax_ce_grads(params: list[np.ndarray], x: np.ndarray,
+                     labels: np.ndarray) -> tuple[float, list[np.ndarray]]:
+    """Softmax cross-entropy (mean over the batch) for a linear/MLP classifier."""
+    layers = len(params) // 2
+    acts = [x]
+    h = x
+    for i in range(layers):
+        h = h @ params[2 * i].T + params[2 * i + 1]
+        if i < layers - 1:
+            h = np.tanh(h)
+        acts.append(h)
+    logits = acts[-1] - acts[-1].max(axis=1, keepdims=True)
+    probs = np.exp(logits)
+    probs /= probs.sum(axis=1, keepdims=True)
+    n = x.shape[0]
+    loss = float(-np.mean(np.log(probs[np.arange(n), labels] + 1e-300)))
+    delta = probs
+    delta[np.arange(n), labels] -= 1.0
+    delta /= n
+    grads: list[np.ndarray] = [np.empty(0)] * len(params)
+    for i in reversed(range(layers)):
+        grads[2 * i] = delta.T @ acts[i]
+        grads[2 * i + 1] = delta.sum(axis=0)
+        if i > 0:
+            delta = (delta @ params[2 * i]) * (1.0 - acts[i] ** 2)
+    return loss, grads
+
+
+def regression_data(rng: np.random.Generator, n: int, d_in: int = 6,
+                    d_out: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    x = rng.standard_normal((n, d_in))
+    w = rng.standard_normal((d_in, d_out))
+    y = np.tanh(x @ w) + 0.01 * rng.standard_normal((n, d_out))
+    return x, y
