@@ -1,0 +1,543 @@
+"""Per-rank checkpoint API: each rank saves and loads its own share, no group needed.
+
+``save_distributed(state_dict, dir, rank, world_size, shard_spec)`` writes this rank's
+file; ``load_distributed(dir, rank, world_size)`` reads this rank's share back, resharding
+automatically when ``world_size`` differs from the one that saved; ``reshard`` is the
+same with the old world size checked; ``flat_shard_metadata`` builds the usual layout
+(every tensor split along dim 0, first ``total % n`` ranks one larger).
+
+Commit without a group: every rank writes its shard file (temp, fsync, rename) and then
+a small manifest with the file's size and checksums; the rank that completes the set
+(finds every rank's manifest of the same generation) writes ``metadata.json`` last, and
+in step mode (``step=N``) updates ``latest`` and rotates old checkpoints. Two ranks
+finishing together both commit the same bytes, which is harmless. The collective
+``netdist.checkpoint.save`` (rank 0 gathers manifests over a ``Group``) is the
+recommended entry point for jobs; this API is for tools, tests and jobs without one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from netdist.checkpoint.metadata import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LATEST_FILE,
+    METADATA_FILE,
+    FileRecord,
+    ShardMetadata,
+    TensorShardSpec,
+    parse_step_dir_name,
+    rank_file_name,
+    step_dir_name,
+)
+from netdist.checkpoint.planner import Box, ReadItem, box_shape, plan_reads, plan_writes
+from netdist.checkpoint.storage import (
+    ShardFile,
+    TensorSource,
+    is_temp_name,
+    remove_tree_atomic,
+    write_bytes_atomic,
+    write_safetensors,
+)
+from netdist.errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+)
+from netdist.types import WIRE_DTYPES, dtype_to_wire
+
+__all__ = [
+    "SaveResult",
+    "save_distributed",
+    "load_distributed",
+    "reshard",
+    "flat_shard_metadata",
+    "shard_state_dict",
+    "load_metadata",
+    "resolve_checkpoint",
+    "list_checkpoints",
+    "CheckpointReader",
+]
+
+_PARALLEL_READ_BYTES = 32 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    """What one rank's save did: the checkpoint directory, its file and byte count.
+
+    ``committed`` is true on the rank that wrote ``metadata.json`` (rank 0 in a
+    collective save, the last rank to finish in the per-rank API).
+    """
+
+    path: Path
+    rank: int
+    file: Path
+    nbytes: int
+    committed: bool
+    step: int | None
+    seconds: float
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is out of range for world size {world_size}")
+
+
+def _as_array(value: Any, name: str) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    try:
+        array = np.asarray(value)
+    except Exception as exc:
+        raise TypeError(f"{name!r}: cannot view {type(value).__name__} as an array") from exc
+    if array.dtype == object:
+        raise TypeError(f"{name!r}: {type(value).__name__} is not an array")
+    return array
+
+
+def _specs_for(state_dict: Mapping[str, Any],
+               shard_spec: ShardMetadata | Mapping[str, TensorShardSpec] | None,
+               rank: int, world_size: int) -> tuple[dict[str, TensorShardSpec], dict[str, np.ndarray]]:
+    """Validate local arrays against the spec; fill dtypes in from the arrays."""
+    arrays = {}
+    for name, value in state_dict.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"state_dict keys must be non-empty strings, got {name!r}")
+        arrays[name] = _as_array(value, name)
+    if shard_spec is None:
+        given: Mapping[str, TensorShardSpec] = {
+            name: TensorShardSpec.replicated(a.shape) for name, a in arrays.items()}
+    elif isinstance(shard_spec, ShardMetadata):
+        if shard_spec.num_ranks != world_size:
+            raise ValueError(f"shard_spec is for {shard_spec.num_ranks} ranks, "
+                             f"world_size is {world_size}")
+        given = shard_spec.tensor_specs
+    else:
+        given = shard_spec
+    missing = sorted(set(given) - set(arrays))
+    unknown = sorted(set(arrays) - set(given))
+    if missing or unknown:
+        raise ValueError(f"state_dict and shard_spec disagree: missing arrays {missing}, "
+                         f"arrays without a spec {unknown}")
+    specs = {}
+    for name, spec in given.items():
+        array = arrays[name]
+        if spec.num_shards is not None and spec.num_shards != world_size:
+            raise ValueError(f"{name!r} is split over {spec.num_shards} ranks, world_size "
+                             f"is {world_size}")
+        expected = spec.local_shape(rank)
+        if tuple(array.shape) != expected:
+            raise ValueError(f"{name!r}: rank {rank} holds shape {tuple(array.shape)}, the "
+                             f"spec says {expected}")
+        dtype = dtype_to_wire(array.dtype)
+        if spec.dtype is not None and spec.dtype != dtype:
+            raise ValueError(f"{name!r}: array dtype {dtype}, spec dtype {spec.dtype}")
+        specs[name] = spec if spec.dtype is not None else spec.with_dtype(dtype)
+    return specs, arrays
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Complete checkpoints (``step_N`` directories with metadata) under ``root``, by step."""
+    root = Path(root)
+    found = []
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        step = parse_step_dir_name(entry.name)
+        if step is not None and entry.is_dir() and os.path.isfile(
+                os.path.join(entry.path, METADATA_FILE)):
+            found.append((step, Path(entry.path)))
+    return sorted(found)
+
+
+def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None) -> Path:
+    """The checkpoint directory that ``path`` designates.
+
+    ``path`` is either a checkpoint directory (holds ``metadata.json``) or a root with
+    ``step_N`` directories: then ``step`` picks one, else ``latest``, else the newest
+    complete step. Directories without ``metadata.json`` are never chosen.
+    """
+    path = Path(path)
+    if step is not None:
+        candidate = path / step_dir_name(step)
+        if not (candidate / METADATA_FILE).is_file():
+            raise CheckpointNotFoundError(f"no complete checkpoint for step {step} in {path}")
+        return candidate
+    if (path / METADATA_FILE).is_file():
+        return path
+    try:
+        name = (path / LATEST_FILE).read_text(encoding="utf-8").strip()
+    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
+        name = ""
+    if parse_step_dir_name(name) is not None and (path / name / METADATA_FILE).is_file():
+        return path / name
+    complete = list_checkpoints(path)
+    if complete:
+        return complete[-1][1]
+    if not path.exists():
+        raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
+    raise CheckpointNotFoundError(f"no complete checkpoint in {path}: no {METADATA_FILE}, "
+                                  f"no valid {LATEST_FILE}, no complete step_* directory")
+
+
+def load_metadata(path: str | os.PathLike[str], step: int | None = None) -> ShardMetadata:
+    """Read the metadata of the checkpoint ``path`` designates (see ``resolve_checkpoint``)."""
+    directory = resolve_checkpoint(path, step)
+    try:
+        text = (directory / METADATA_FILE).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{directory / METADATA_FILE} vanished") from None
+    return ShardMetadata.loads(text)
+
+
+def _rotate(root: Path, current: int, keep_last: int | None) -> None:
+    if keep_last is None:
+        return
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    others = [(s, p) for s, p in list_checkpoints(root) if s != current]
+    for _, path in others[:max(0, len(others) - (keep_last - 1))]:
+        remove_tree_atomic(path)
+
+
+def _clean_root(root: Path, *, below: int | None, current: int | None) -> None:
+    """Remove incomplete step directories, trash and temp files left by crashes.
+
+    ``below=None`` removes every incomplete directory except ``current`` (collective
+    mode: no other save can be running); otherwise only incomplete steps ``< below``
+    (per-rank mode: ranks may still be writing newer ones). Temp files are removed in
+    collective mode only.
+    """
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if entry.name.startswith(".trash-") and entry.is_dir():
+            remove_tree_atomic(Path(entry.path))
+            continue
+        if below is None and is_temp_name(entry.name) and entry.is_file():
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                pass
+            continue
+        step = parse_step_dir_name(entry.name)
+        if step is None or step == current or not entry.is_dir():
+            continue
+        if os.path.isfile(os.path.join(entry.path, METADATA_FILE)):
+            continue
+        if below is None or step < below:
+            remove_tree_atomic(Path(entry.path))
+
+
+def _commit(directory: Path, metadata: ShardMetadata, *, step_root: Path | None,
+            keep_last: int | None, collective: bool) -> None:
+    """Write ``metadata.json`` (the commit point), then ``latest``, then rotate."""
+    write_bytes_atomic(directory / METADATA_FILE, metadata.dumps().encode("utf-8"))
+    if step_root is None or metadata.step is None:
+        return
+    write_bytes_atomic(step_root / LATEST_FILE, (directory.name + "\n").encode("ascii"))
+    _rotate(step_root, metadata.step, keep_last)
+    _clean_root(step_root, below=None if collective else metadata.step, current=metadata.step)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _file_metadata(rank: int, world_size: int) -> dict[str, str]:
+    return {"format": FORMAT_NAME, "version": str(FORMAT_VERSION), "rank": str(rank),
+            "num_ranks": str(world_size)}
+
+
+def write_rank_file(directory: Path, rank: int, world_size: int,
+                    specs: Mapping[str, TensorShardSpec], writers: Mapping[str, int],
+                    arrays: Mapping[str, np.ndarray]) -> FileRecord:
+    """Write ``rank``'s file (its shards and the replicated tensors it was assigned)."""
+    plan = plan_writes(specs, world_size, writers)
+    sources = []
+    for item in plan.for_rank(rank):
+        array = arrays[item.name]
+        dtype = specs[item.name].dtype or dtype_to_wire(array.dtype)
+        sources.append(TensorSource(item.name, dtype, tuple(array.shape), data=array))
+    name = rank_file_name(rank)
+    size, checksum = write_safetensors(directory / name, sources,
+                                       metadata=_file_metadata(rank, world_size))
+    return FileRecord(rank, name, size, checksum)
+
+
+def _manifest_name(rank: int) -> str:
+    return f"rank_{rank:05d}.manifest.json"
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes())
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def save_distributed(state_dict: Mapping[str, Any], dir: str | os.PathLike[str], rank: int,
+                     world_size: int,
+                     shard_spec: ShardMetadata | Mapping[str, TensorShardSpec] | None = None,
+                     *, step: int | None = None, keep_last: int | None = None,
+                     extra: Mapping[str, Any] | None = None,
+                     run_id: str | None = None) -> SaveResult:
+    """Save this rank's share of a checkpoint; no communication between ranks.
+
+    ``state_dict`` maps names to this rank's local arrays; ``shard_spec`` (usually from
+    :func:`flat_shard_metadata`) says how each is placed; ``None`` means every array is
+    replicated (written once, by the rank the dedup planner picks). With ``step=N`` the
+    checkpoint goes to ``dir/step_N`` and the committing rank updates ``dir/latest`` and
+    keeps the newest ``keep_last`` checkpoints; otherwise ``dir`` is the checkpoint.
+
+    Saving into a directory that already holds a checkpoint replaces it; until every
+    rank has rewritten its file that directory fails verification (never silently mixes).
+    Without a group, ranks cannot tell a peer's file left by a crashed earlier attempt at
+    the same step from a fresh one; pass the same ``run_id`` (e.g. a job id) on every
+    rank to tell attempts apart, or use the collective ``save``.
+    """
+    started = time.perf_counter()
+    _check_rank(rank, world_size)
+    specs, arrays = _specs_for(state_dict, shard_spec, rank, world_size)
+    base = shard_spec if isinstance(shard_spec, ShardMetadata) else None
+    writers = plan_writes(specs, world_size).writers
+    root = Path(dir)
+    directory = root / step_dir_name(step) if step is not None else root
+    directory.mkdir(parents=True, exist_ok=True)
+    previous = _read_json(directory / METADATA_FILE)
+    generation = (previous.get("generation", 0) if isinstance(previous, dict) else 0) + 1
+    record = write_rank_file(directory, rank, world_size, specs, writers, arrays)
+    manifest = {"generation": generation, "run_id": run_id, "file": record.to_json()}
+    # Not fsynced: its content ends up in metadata.json, which is; losing it in a crash
+    # only means that save is not committed, which a crash does anyway.
+    write_bytes_atomic(directory / _manifest_name(rank), json.dumps(manifest).encode(),
+                       durable=False)
+
+    records = []
+    for other in range(world_size):
+        found = _read_json(directory / _manifest_name(other))
+        if (not isinstance(found, dict) or found.get("generation") != generation
+                or found.get("run_id") != run_id):
+            break
+        records.append(FileRecord.from_json(found["file"]))
+    committed = len(records) == world_size
+    if committed:
+        metadata = ShardMetadata(
+            num_ranks=world_size, tensor_specs=specs,
+            mesh=base.mesh if base is not None else None,
+            extra=dict(extra if extra is not None else (base.extra if base is not None else {})),
+            step=step, writers=writers, files=tuple(records), generation=generation)
+        _commit(directory, metadata, step_root=root if step is not None else None,
+                keep_last=keep_last, collective=False)
+    return SaveResult(directory, rank, directory / record.name, record.size, committed, step,
+                      time.perf_counter() - started)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def check_destination(name: str, spec: TensorShardSpec, box: Box, dest: np.ndarray) -> None:
+    """Raise ``CheckpointMismatchError`` unless ``dest`` can receive ``box`` of ``name``."""
+    want_dtype = WIRE_DTYPES[spec.dtype] if spec.dtype is not None else None
+    if want_dtype is not None and dest.dtype != want_dtype:
+        raise CheckpointMismatchError(
+            f"tensor {name!r}: checkpoint has dtype {spec.dtype}, target has {dest.dtype}")
+    if tuple(dest.shape) != box_shape(box):
+        raise CheckpointMismatchError(
+            f"tensor {name!r}: target shape {tuple(dest.shape)} does not match the "
+            f"{box_shape(box)} region expected (full shape {spec.full_shape})")
+
+
+class CheckpointReader:
+    """Reads regions of one checkpoint's tensors; shard files are opened on first use.
+
+    Every read goes through :class:`ShardFile`, so with ``verify=True`` each block read is
+    checked against the metadata's CRC. Close it (or use ``with``) to release the files.
+    """
+
+    def __init__(self, directory: Path, metadata: ShardMetadata, *, verify: bool = True) -> None:
+        self.directory = directory
+        self.metadata = metadata
+        self.verify = verify
+        self._files: dict[int, ShardFile] = {}
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        files, self._files = self._files, {}
+        for shard_file in files.values():
+            shard_file.close()
+
+    def file(self, rank: int) -> ShardFile:
+        shard_file = self._files.get(rank)
+        if shard_file is None:
+            record = self.metadata.file_for(rank)
+            if record is None:
+                raise CheckpointCorruptError(f"{self.directory}: metadata has no file record "
+                                             f"for rank {rank}")
+            shard_file = ShardFile(self.directory / record.name, record, verify=self.verify)
+            self._files[rank] = shard_file
+        return shard_file
+
+    def read(self, plan: Mapping[str, tuple[ReadItem, ...]], dests: Mapping[str, np.ndarray], *,
+             threads: int | None = None, progress: Callable[[int], None] | None = None) -> None:
+        """Execute a read plan: copy each planned piece into ``dests[name]``."""
+        tasks = []
+        for name, items in plan.items():
+            spec = self.metadata.tensor_specs[name]
+            for item in items:
+                shard_file = self.file(item.src_rank)
+                entry = shard_file.entry(name)
+                if entry.shape != item.src_shape or (spec.dtype and entry.dtype != spec.dtype):
+                    raise CheckpointCorruptError(
+                        f"{shard_file.path}: {name!r} is stored as {entry.dtype} "
+                        f"{entry.shape}, metadata says {spec.dtype} {item.src_shape}")
+                dest = dests[name][(*(slice(lo, hi) for lo, hi in item.dst_box), ...)]
+                tasks.append((item, dest))
+        total = sum(d.nbytes for _, d in tasks)
+        done = 0
+
+        def run(task: tuple[ReadItem, np.ndarray]) -> int:
+            item, dest = task
+            self._files[item.src_rank].read_box(item.name, item.src_box, dest)
+            return dest.nbytes
+
+        workers = threads if threads is not None else min(4, os.cpu_count() or 1)
+        if workers <= 1 or total < _PARALLEL_READ_BYTES or len(tasks) < 2:
+            for task in tasks:
+                done += run(task)
+                if progress is not None:
+                    progress(done)
+            return
+        tasks.sort(key=lambda t: -t[1].nbytes)  # largest first balances the pool
+        with ThreadPoolExecutor(workers, thread_name_prefix="netdist-ckpt-read") as pool:
+            for nbytes in pool.map(run, tasks):
+                done += nbytes
+                if progress is not None:
+                    progress(done)
+
+
+def read_plan_into(directory: Path, metadata: ShardMetadata,
+                   plan: Mapping[str, tuple[ReadItem, ...]], dests: Mapping[str, np.ndarray], *,
+                   verify: bool = True, threads: int | None = None,
+                   progress: Callable[[int], None] | None = None) -> None:
+    """Execute a read plan against the checkpoint in ``directory``."""
+    with CheckpointReader(directory, metadata, verify=verify) as reader:
+        reader.read(plan, dests, threads=threads, progress=progress)
+
+
+def load_distributed(dir: str | os.PathLike[str], rank: int, world_size: int, *,
+                     step: int | None = None, verify: bool = True,
+                     out: Mapping[str, np.ndarray] | None = None,
+                     threads: int | None = None) -> dict[str, np.ndarray]:
+    """Load ``rank``'s share of a checkpoint for a job of ``world_size`` ranks.
+
+    Same world size as the save: each rank gets exactly the shards it saved (plus the
+    replicated tensors, wherever dedup stored them). Different world size: every sharded
+    tensor is re-split along its saved dim with ``chunk_sizes`` and only the byte ranges
+    covering this rank's new shard are read. ``out`` may supply preallocated destination
+    arrays (filled in place; no second copy in memory); a dtype or shape that does not
+    match raises ``CheckpointMismatchError``. ``verify`` checks the CRC of every block
+    read.
+    """
+    _check_rank(rank, world_size)
+    directory = resolve_checkpoint(dir, step)
+    metadata = load_metadata(directory)
+    targets = metadata.rebalanced(world_size)
+    wanted = {name: spec.box(rank) if spec.shard_dim is not None else
+              tuple((0, n) for n in spec.full_shape) for name, spec in targets.items()}
+    dests: dict[str, np.ndarray] = {}
+    for name, box in wanted.items():
+        spec = metadata.tensor_specs[name]
+        if out is not None and name in out:
+            dest = out[name]
+            check_destination(name, spec, box, dest)
+        else:
+            if spec.dtype is None:
+                raise CheckpointCorruptError(f"tensor {name!r} has no dtype in the metadata")
+            dest = np.empty(box_shape(box), dtype=WIRE_DTYPES[spec.dtype])
+        dests[name] = dest
+    if out is not None:
+        unknown = sorted(set(out) - set(wanted))
+        if unknown:
+            raise CheckpointMismatchError(f"the checkpoint has no tensors named {unknown}")
+    plan = plan_reads(metadata.tensor_specs, metadata.writers, wanted)
+    read_plan_into(directory, metadata, plan, dests, verify=verify, threads=threads)
+    return dests
+
+
+def reshard(dir: str | os.PathLike[str], old_world_size: int, new_world_size: int,
+            new_rank: int, *, step: int | None = None, verify: bool = True,
+            out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Load ``new_rank``'s share for ``new_world_size`` ranks from a checkpoint saved by
+    ``old_world_size`` ranks (checked against the metadata)."""
+    _check_rank(new_rank, new_world_size)
+    metadata = load_metadata(dir, step)
+    if metadata.num_ranks != old_world_size:
+        raise CheckpointMismatchError(f"checkpoint was saved by {metadata.num_ranks} ranks, "
+                                      f"not {old_world_size}")
+    return load_distributed(dir, new_rank, new_world_size, step=step, verify=verify, out=out)
+
+
+def flat_shard_metadata(state_dict: Mapping[str, Any], world_size: int, *,
+                        shard_dim: int = 0) -> ShardMetadata:
+    """Metadata that splits every full array of ``state_dict`` along ``shard_dim``.
+
+    Uneven extents give the first ``total % world_size`` ranks one more row (the
+    ``netdist.sharding.chunk_sizes`` rule); arrays with fewer dims than ``shard_dim + 1``
+    (scalars) are replicated.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    specs = {}
+    for name, value in state_dict.items():
+        array = _as_array(value, name)
+        if array.ndim <= shard_dim:
+            specs[name] = TensorShardSpec.replicated(array.shape, array.dtype)
+        else:
+            specs[name] = TensorShardSpec.even(array.shape, world_size, shard_dim, array.dtype)
+    return ShardMetadata(world_size, specs)
+
+
+def shard_state_dict(state_dict: Mapping[str, Any], metadata: ShardMetadata | Mapping[str, TensorShardSpec],
+                     rank: int) -> dict[str, np.ndarray]:
+    """``rank``'s local views of full arrays under ``metadata`` (what it should save)."""
+    specs = metadata.tensor_specs if isinstance(metadata, ShardMetadata) else metadata
+    out = {}
+    for name, spec in specs.items():
+        array = _as_array(state_dict[name], name)
+        if tuple(array.shape) != spec.full_shape:
+            raise ValueError(f"{name!r}: full shape {array.shape}, spec says {spec.full_shape}")
+        out[name] = array[(*(slice(lo, hi) for lo, hi in spec.box(rank)), ...)]
+    return out
+
+

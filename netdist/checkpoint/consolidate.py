@@ -1,0 +1,285 @@
+"""Offline checkpoint tools: inspect, verify, consolidate into one file, reshard to N ranks.
+
+All of them stream: a tensor is assembled chunk by chunk (``chunk_bytes`` of full rows at
+a time) from the byte ranges of the shard files that hold it, and each chunk is written
+before the next is read, so memory stays at one chunk however large the model is. The
+consolidated file is plain safetensors (``safetensors.numpy.load_file`` /
+``safetensors.torch.load_file`` read it); its ``__metadata__`` carries the checkpoint's
+non-tensor values as JSON under ``netdist.extra`` and ``netdist.state``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from netdist.checkpoint.api import (
+    CheckpointReader,
+    _file_metadata,
+    load_metadata,
+    resolve_checkpoint,
+)
+from netdist.checkpoint.metadata import (
+    METADATA_FILE,
+    FileRecord,
+    ShardMetadata,
+    StateLayout,
+    TensorShardSpec,
+    encode_object,
+    rank_file_name,
+)
+from netdist.checkpoint.planner import Box, assign_writers, box_shape, plan_reads, plan_writes
+from netdist.checkpoint.storage import (
+    ShardFile,
+    TensorSource,
+    write_bytes_atomic,
+    write_safetensors,
+)
+from netdist.errors import CheckpointError, CheckpointMismatchError
+from netdist.types import WIRE_DTYPES
+
+__all__ = [
+    "TensorRow",
+    "VerifyReport",
+    "inspect_checkpoint",
+    "verify_checkpoint",
+    "consolidate",
+    "reshard_checkpoint",
+    "DEFAULT_CHUNK_BYTES",
+]
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+Progress = Callable[[int, int], None]
+"""``progress(done_bytes, total_bytes)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRow:
+    """One line of ``netdist ckpt inspect``."""
+
+    name: str
+    dtype: str
+    full_shape: tuple[int, ...]
+    layout: str
+    nbytes: int
+    ranks: tuple[int, ...]
+
+
+def _nbytes(spec: TensorShardSpec) -> int:
+    itemsize = WIRE_DTYPES[spec.dtype].itemsize if spec.dtype else 1
+    return int(np.prod(spec.full_shape, dtype=np.int64)) * itemsize
+
+
+def inspect_checkpoint(path: str | os.PathLike[str], step: int | None = None
+                       ) -> tuple[Path, ShardMetadata, list[TensorRow]]:
+    """The checkpoint directory, its metadata and one row per tensor."""
+    directory = resolve_checkpoint(path, step)
+    metadata = load_metadata(directory)
+    rows = []
+    for name, spec in metadata.tensor_specs.items():
+        if spec.shard_dim is None:
+            writer = metadata.writers.get(name)
+            layout = f"replicated (stored by rank {writer})"
+            ranks: tuple[int, ...] = (writer,) if writer is not None else ()
+        else:
+            sizes = ",".join(str(s) for s in spec.shard_sizes)
+            layout = f"dim {spec.shard_dim} [{sizes}]"
+            ranks = tuple(r for r, s in enumerate(spec.shard_sizes) if s)
+        rows.append(TensorRow(name, spec.dtype or "?", spec.full_shape, layout, _nbytes(spec),
+                              ranks))
+    return directory, metadata, rows
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """Outcome of :func:`verify_checkpoint`: ``problems`` is empty when all is well."""
+
+    path: Path
+    files: int
+    nbytes: int
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_checkpoint(path: str | os.PathLike[str], step: int | None = None, *,
+                      progress: Progress | None = None) -> VerifyReport:
+    """Check every shard file: present, right size, header matching the metadata, and
+    every block's CRC. Unreadable metadata raises; file problems are collected."""
+    directory = resolve_checkpoint(path, step)
+    metadata = load_metadata(directory)
+    plan = plan_writes(metadata.tensor_specs, metadata.num_ranks, metadata.writers)
+    total = sum(record.size for record in metadata.files)
+    problems: list[str] = []
+    done = 0
+    checked = 0
+    for rank in range(metadata.num_ranks):
+        record = metadata.file_for(rank)
+        if record is None:
+            problems.append(f"rank {rank}: no file record in {METADATA_FILE}")
+            continue
+        base = done
+        try:
+            with ShardFile(directory / record.name, record, verify=True) as shard_file:
+                for item in plan.for_rank(rank):
+                    entry = shard_file.entry(item.name)
+                    if entry.shape != item.shape or entry.dtype != item.dtype:
+                        problems.append(f"{record.name}: {item.name!r} is {entry.dtype} "
+                                        f"{entry.shape}, metadata says {item.dtype} {item.shape}")
+                expected = {item.name for item in plan.for_rank(rank)}
+                stray = sorted(set(shard_file.entries) - expected)
+                if stray:
+                    problems.append(f"{record.name}: unexpected tensors {stray}")
+                shard_file.verify_all(
+                    None if progress is None else lambda n: progress(base + n, total))
+            checked += 1
+        except CheckpointError as exc:
+            problems.append(str(exc))
+        done = base + record.size
+        if progress is not None:
+            progress(done, total)
+    return VerifyReport(directory, checked, done, tuple(problems))
+
+
+def _chunks(reader: CheckpointReader, name: str, box: Box, dtype: np.dtype[Any],
+            chunk_bytes: int) -> Callable[[], Iterator[np.ndarray]]:
+    """A producer yielding ``stored[box]`` of ``name`` in row chunks (one reused buffer)."""
+    metadata = reader.metadata
+    shape = box_shape(box)
+
+    def produce() -> Iterator[np.ndarray]:
+        if not shape:
+            dest = np.empty((), dtype=dtype)
+            reader.read(plan_reads(metadata.tensor_specs, metadata.writers, {name: box}),
+                        {name: dest})
+            yield dest
+            return
+        rows = shape[0]
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        per = max(1, chunk_bytes // max(row_bytes, 1))
+        buffer = np.empty((min(per, rows), *shape[1:]), dtype=dtype)
+        for r0 in range(0, rows, per):
+            r1 = min(rows, r0 + per)
+            sub: Box = ((box[0][0] + r0, box[0][0] + r1), *box[1:])
+            dest = buffer[:r1 - r0]
+            reader.read(plan_reads(metadata.tensor_specs, metadata.writers, {name: sub}),
+                        {name: dest})
+            yield dest
+
+    return produce
+
+
+def _objects_metadata(metadata: ShardMetadata) -> dict[str, str]:
+    out = {"format": "netdist-consolidated", "num_ranks": str(metadata.num_ranks)}
+    if metadata.step is not None:
+        out["step"] = str(metadata.step)
+    if metadata.extra:
+        out["netdist.extra"] = json.dumps(encode_object(dict(metadata.extra)))
+    if metadata.state is not None:
+        out["netdist.state"] = json.dumps(metadata.state.to_json())
+    return out
+
+
+def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
+                step: int | None = None, verify: bool = True, progress: Progress | None = None,
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Path:
+    """Write the whole checkpoint as one safetensors file holding every full tensor.
+
+    Streams tensor by tensor (``chunk_bytes`` at a time), writing the header first; the
+    output appears atomically (temp, fsync, rename). Returns the output path.
+    """
+    directory = resolve_checkpoint(path, step)
+    metadata = load_metadata(directory)
+    out = Path(out)
+    total = sum(_nbytes(spec) for spec in metadata.tensor_specs.values())
+    with CheckpointReader(directory, metadata, verify=verify) as reader:
+        sources = []
+        for name, spec in metadata.tensor_specs.items():
+            if spec.dtype is None:
+                raise CheckpointError(f"tensor {name!r} has no dtype in the metadata")
+            box = tuple((0, n) for n in spec.full_shape)
+            sources.append(TensorSource(name, spec.dtype, spec.full_shape,
+                                        chunks=_chunks(reader, name, box,
+                                                       WIRE_DTYPES[spec.dtype], chunk_bytes)))
+        write_safetensors(out, sources, metadata=_objects_metadata(metadata),
+                          progress=None if progress is None else lambda n: progress(n, total))
+    return out
+
+
+def _remap_state(state: StateLayout | None, old: int, new: int, policy: str
+                 ) -> StateLayout | None:
+    if state is None or not state.rank_objects or old == new:
+        return state
+    if policy == "drop":
+        return replace(state, rank_objects={})
+    if policy == "modulo":
+        return replace(state, rank_objects={k: tuple(v[r % old] for r in range(new))
+                                            for k, v in state.rank_objects.items()})
+    if policy == "rank0":
+        return replace(state, rank_objects={k: tuple(v[0] for _ in range(new))
+                                            for k, v in state.rank_objects.items()})
+    raise CheckpointMismatchError(
+        f"values {sorted(state.rank_objects)} differ per rank and cannot be mapped from "
+        f"{old} to {new} ranks; choose rank_objects='modulo', 'rank0' or 'drop'")
+
+
+def reshard_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
+                       world_size: int, *, step: int | None = None, verify: bool = True,
+                       rank_objects: str = "error", progress: Progress | None = None,
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ShardMetadata:
+    """Rewrite a checkpoint for ``world_size`` ranks into the directory ``out``.
+
+    Sharded tensors are re-split along their dim with ``chunk_sizes``; replicated ones are
+    re-assigned by the dedup planner. Streams chunk by chunk; ``metadata.json`` is written
+    last. ``rank_objects`` maps per-rank values: ``error``, ``modulo``, ``rank0``, ``drop``.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if rank_objects not in ("error", "modulo", "rank0", "drop"):
+        raise ValueError(f"unknown rank_objects policy {rank_objects!r}")
+    directory = resolve_checkpoint(path, step)
+    metadata = load_metadata(directory)
+    state = _remap_state(metadata.state, metadata.num_ranks, world_size, rank_objects)
+    out = Path(out)
+    if (out / METADATA_FILE).exists():
+        raise CheckpointError(f"{out} already holds a checkpoint")
+    out.mkdir(parents=True, exist_ok=True)
+    specs = metadata.rebalanced(world_size)
+    writers = assign_writers(specs, world_size)
+    plan = plan_writes(specs, world_size, writers)
+    total = sum(plan.bytes_per_rank)
+    records = []
+    written = 0
+    with CheckpointReader(directory, metadata, verify=verify) as reader:
+        for rank in range(world_size):
+            sources = []
+            for item in plan.for_rank(rank):
+                spec = specs[item.name]
+                box = spec.box(rank) if spec.shard_dim is not None else \
+                    tuple((0, n) for n in spec.full_shape)
+                dtype = WIRE_DTYPES[spec.dtype or "uint8"]
+                sources.append(TensorSource(item.name, spec.dtype or "uint8", item.shape,
+                                            chunks=_chunks(reader, item.name, box, dtype,
+                                                           chunk_bytes)))
+            base = written
+            name = rank_file_name(rank)
+            size, checksum = write_safetensors(
+                out / name, sources, metadata=_file_metadata(rank, world_size),
+                progress=None if progress is None else lambda n: progress(base + n, total))
+            records.append(FileRecord(rank, name, size, checksum))
+            written = base + plan.bytes_per_rank[rank]
+    new = ShardMetadata(num_ranks=world_size, tensor_specs=specs, mesh=None,
+                        extra=metadata.extra, step=metadata.step, writers=writers,
+                        files=tuple(records), state=state)
+    write_bytes_atomic(out / METADATA_FILE, new.dumps().encode("utf-8"))
+    return new
+

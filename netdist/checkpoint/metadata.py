@@ -1,0 +1,554 @@
+"""PURE checkpoint metadata: shard specs, file records and the ``metadata.json`` codec.
+
+A checkpoint is described by one :class:`ShardMetadata`: how many ranks wrote it, how
+every tensor is placed (sharded along one dimension with explicit per-rank sizes, or
+replicated), which rank's file holds each replicated tensor, and one
+:class:`FileRecord` per rank file with its size and block checksums. The JSON form is
+specified byte by byte in ``docs/PROTOCOL.md`` ("Checkpoint layout").
+
+Non-tensor values (step counters, optimizer hyper-parameters, NumPy RNG states) travel
+through :func:`encode_object` / :func:`decode_object`, a JSON codec that round-trips the
+values JSON cannot carry natively: integers outside the signed 64-bit range (PCG64 states
+are 128-bit), NaN/infinity, tuples, dicts with non-string keys, bytes, NumPy scalars and
+small arrays, and ``np.random.Generator`` objects.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from netdist.errors import CheckpointCorruptError, CheckpointVersionError
+from netdist.sharding import chunk_bounds, chunk_sizes
+from netdist.types import WIRE_DTYPES, dtype_to_wire
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "METADATA_FILE",
+    "LATEST_FILE",
+    "CHECKSUM_ALGORITHM",
+    "CHECKSUM_BLOCK_SIZE",
+    "Placement",
+    "TensorShardSpec",
+    "FileRecord",
+    "StateLayout",
+    "ShardMetadata",
+    "rank_file_name",
+    "step_dir_name",
+    "parse_step_dir_name",
+    "encode_object",
+    "decode_object",
+]
+
+FORMAT_NAME = "netdist-checkpoint"
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+LATEST_FILE = "latest"
+CHECKSUM_ALGORITHM = "crc32-blocks"
+CHECKSUM_BLOCK_SIZE = 256 << 10
+"""Each rank file is checksummed in blocks of this many bytes (CRC-32 per block), so a
+resharding load verifies exactly the blocks it reads instead of whole files; a read
+that starts or ends inside a block reads that whole block (at most 2 x 256 KiB extra)."""
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_TAG = "$nd"
+_BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
+
+
+def rank_file_name(rank: int) -> str:
+    """File name of ``rank``'s shard file: ``rank_00003.safetensors``."""
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    return f"rank_{rank:05d}.safetensors"
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of the checkpoint of ``step``: ``step_000100``."""
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return f"step_{int(step):06d}"
+
+
+def parse_step_dir_name(name: str) -> int | None:
+    """Step number of a ``step_N`` directory name, ``None`` for any other name."""
+    match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+class Placement(str, enum.Enum):
+    """How a tensor is laid out over the ranks that saved it."""
+
+    SHARDED = "sharded"
+    REPLICATED = "replicated"
+
+
+def _as_shape(shape: Any, what: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of ints, got {shape!r}") from None
+    for dim in dims:
+        if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim < 0:
+            raise ValueError(f"{what} must hold ints >= 0, got {shape!r}")
+    return tuple(int(d) for d in dims)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorShardSpec:
+    """Placement of one tensor: sharded along ``shard_dim`` or replicated.
+
+    ``shard_sizes[r]`` is the extent of rank ``r``'s shard along ``shard_dim`` (shards
+    are contiguous and in rank order). ``shard_dim=None`` with no sizes is the explicit
+    replicated placement (every rank holds the full tensor; it is written once), best
+    built with :meth:`replicated`. ``dtype`` is a wire dtype name (``"float32"``);
+    ``None`` means "take it from the array at save time".
+    """
+
+    full_shape: tuple[int, ...]
+    shard_dim: int | None = 0
+    shard_sizes: tuple[int, ...] = ()
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        shape = _as_shape(self.full_shape, "full_shape")
+        object.__setattr__(self, "full_shape", shape)
+        sizes = _as_shape(self.shard_sizes, "shard_sizes")
+        object.__setattr__(self, "shard_sizes", sizes)
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", dtype_to_wire(self.dtype))
+        if self.shard_dim is None:
+            if sizes:
+                raise ValueError("a replicated spec (shard_dim=None) takes no shard_sizes")
+            return
+        dim = self.shard_dim
+        if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool):
+            raise TypeError(f"shard_dim must be an int or None, got {dim!r}")
+        if not 0 <= dim < len(shape):
+            raise ValueError(f"shard_dim {dim} is out of range for shape {shape}")
+        object.__setattr__(self, "shard_dim", int(dim))
+        if not sizes:
+            raise ValueError("a sharded spec needs shard_sizes (one per rank)")
+        if sum(sizes) != shape[dim]:
+            raise ValueError(f"shard_sizes {sizes} sum to {sum(sizes)}, but dim {dim} of "
+                             f"{shape} has {shape[dim]}")
+
+    @classmethod
+    def replicated(cls, full_shape: Sequence[int], dtype: Any = None) -> TensorShardSpec:
+        """The replicated placement: every rank holds the whole tensor."""
+        return cls(tuple(full_shape), None, (), None if dtype is None else dtype_to_wire(dtype))
+
+    @classmethod
+    def even(cls, full_shape: Sequence[int], num_ranks: int, shard_dim: int = 0,
+             dtype: Any = None) -> TensorShardSpec:
+        """Shard along ``shard_dim`` with ``chunk_sizes`` (first ``total % n`` one larger)."""
+        shape = _as_shape(full_shape, "full_shape")
+        if not 0 <= shard_dim < len(shape):
+            raise ValueError(f"shard_dim {shard_dim} is out of range for shape {shape}")
+        return cls(shape, shard_dim, tuple(chunk_sizes(shape[shard_dim], num_ranks)),
+                   None if dtype is None else dtype_to_wire(dtype))
+
+    @property
+    def placement(self) -> Placement:
+        return Placement.REPLICATED if self.shard_dim is None else Placement.SHARDED
+
+    @property
+    def is_replicated(self) -> bool:
+        return self.shard_dim is None
+
+    @property
+    def num_shards(self) -> int | None:
+        """Number of ranks the tensor is split over; ``None`` when replicated."""
+        return None if self.shard_dim is None else len(self.shard_sizes)
+
+    def shard_bounds(self, rank: int) -> tuple[int, int]:
+        """``(start, stop)`` of ``rank``'s shard along ``shard_dim``."""
+        if self.shard_dim is None:
+            raise ValueError("a replicated tensor has no shard bounds")
+        if not 0 <= rank < len(self.shard_sizes):
+            raise ValueError(f"rank {rank} out of range for {len(self.shard_sizes)} shards")
+        start = sum(self.shard_sizes[:rank])
+        return start, start + self.shard_sizes[rank]
+
+    def box(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """The region of the full tensor ``rank`` holds, as ``(start, stop)`` per dim."""
+        full = [(0, n) for n in self.full_shape]
+        if self.shard_dim is not None:
+            full[self.shard_dim] = self.shard_bounds(rank)
+        return tuple(full)
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """Shape of ``rank``'s local array."""
+        return tuple(stop - start for start, stop in self.box(rank))
+
+    def with_dtype(self, dtype: Any) -> TensorShardSpec:
+        return TensorShardSpec(self.full_shape, self.shard_dim, self.shard_sizes,
+                               dtype_to_wire(dtype))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.full_shape),
+                               "placement": self.placement.value}
+        if self.shard_dim is not None:
+            out["shard_dim"] = self.shard_dim
+            out["shard_sizes"] = list(self.shard_sizes)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TensorShardSpec:
+        placement = Placement(data["placement"])
+        if placement is Placement.REPLICATED:
+            return cls(tuple(data["shape"]), None, (), data.get("dtype"))
+        return cls(tuple(data["shape"]), int(data["shard_dim"]), tuple(data["shard_sizes"]),
+                   data.get("dtype"))
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """One rank file as committed: name, exact size and per-block CRC-32 checksums.
+
+    ``checksum`` is the concatenation of one 8-hex-digit CRC-32 per ``block_size`` bytes
+    of the file (the last block may be shorter), covering header and data alike.
+    """
+
+    rank: int
+    name: str
+    size: int
+    checksum: str
+    block_size: int = CHECKSUM_BLOCK_SIZE
+    algorithm: str = CHECKSUM_ALGORITHM
+
+    def __post_init__(self) -> None:
+        if self.size < 0:
+            raise ValueError(f"file size must be >= 0, got {self.size}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        expected = -(-self.size // self.block_size) * 8
+        if len(self.checksum) != expected:
+            raise ValueError(f"{self.name}: {len(self.checksum)} checksum digits for "
+                             f"{self.size} bytes, expected {expected}")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.checksum) // 8
+
+    def block_crc(self, index: int) -> int:
+        return int(self.checksum[8 * index: 8 * index + 8], 16)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "name": self.name, "size": self.size,
+                "checksum": {"algorithm": self.algorithm, "block_size": self.block_size,
+                             "blocks": self.checksum}}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> FileRecord:
+        checksum = data["checksum"]
+        if checksum["algorithm"] != CHECKSUM_ALGORITHM:
+            raise CheckpointVersionError(
+                f"{data['name']}: unknown checksum algorithm {checksum['algorithm']!r}")
+        return cls(int(data["rank"]), str(data["name"]), int(data["size"]),
+                   str(checksum["blocks"]), int(checksum["block_size"]))
+
+
+@dataclass(frozen=True, slots=True)
+class StateLayout:
+    """How a nested state (collective ``save``) maps onto tensors and plain values.
+
+    ``skeleton`` is the JSON tree of containers with tensor and object leaves named by
+    key; ``objects`` holds values equal on every rank; ``rank_objects[key][r]`` holds the
+    value rank ``r`` had, for values that differed between ranks.
+    """
+
+    skeleton: Any
+    objects: Mapping[str, Any] = field(default_factory=dict)
+    rank_objects: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"skeleton": self.skeleton,
+                "objects": {k: encode_object(v) for k, v in self.objects.items()},
+                "rank_objects": {k: [encode_object(v) for v in vs]
+                                 for k, vs in self.rank_objects.items()}}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StateLayout:
+        return cls(data["skeleton"],
+                   {k: decode_object(v) for k, v in data.get("objects", {}).items()},
+                   {k: tuple(decode_object(v) for v in vs)
+                    for k, vs in data.get("rank_objects", {}).items()})
+
+
+@dataclass(frozen=True, slots=True)
+class ShardMetadata:
+    """Everything needed to read a checkpoint back, at any world size.
+
+    ``num_ranks`` ranks saved it; ``tensor_specs`` maps tensor name to placement;
+    ``mesh`` optionally describes the device mesh (free-form, e.g.
+    ``{"shape": [2, 2], "dim_names": ["dp", "tp"]}``); ``extra`` holds free-form
+    non-tensor state (encoded with :func:`encode_object`). Fields filled in by a save:
+    ``writers`` (replicated tensor -> rank whose file holds it), ``files`` (one record per
+    rank file), ``step``, ``state`` (the nested-state layout of a collective save) and
+    ``generation`` (bumped each time a directory is saved into again).
+    """
+
+    num_ranks: int
+    tensor_specs: Mapping[str, TensorShardSpec]
+    version: int = FORMAT_VERSION
+    mesh: Mapping[str, Any] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    step: int | None = None
+    writers: Mapping[str, int] = field(default_factory=dict)
+    files: tuple[FileRecord, ...] = ()
+    state: StateLayout | None = None
+    generation: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_ranks, (int, np.integer)) or self.num_ranks < 1:
+            raise ValueError(f"num_ranks must be an int >= 1, got {self.num_ranks!r}")
+        object.__setattr__(self, "num_ranks", int(self.num_ranks))
+        specs = dict(self.tensor_specs)
+        for name, spec in specs.items():
+            if not isinstance(name, str) or not name or name == "__metadata__":
+                raise ValueError(f"invalid tensor name {name!r}")
+            if not isinstance(spec, TensorShardSpec):
+                raise TypeError(f"tensor_specs[{name!r}] must be a TensorShardSpec, "
+                                f"got {type(spec).__name__}")
+            if spec.num_shards is not None and spec.num_shards != self.num_ranks:
+                raise ValueError(f"tensor {name!r} is split over {spec.num_shards} ranks, "
+                                 f"but the checkpoint has {self.num_ranks}")
+        object.__setattr__(self, "tensor_specs", specs)
+        object.__setattr__(self, "extra", dict(self.extra))
+        object.__setattr__(self, "writers", dict(self.writers))
+        object.__setattr__(self, "files", tuple(self.files))
+        for name, writer in self.writers.items():
+            if name not in specs or not specs[name].is_replicated:
+                raise ValueError(f"writer given for {name!r}, which is not a replicated tensor")
+            if not 0 <= writer < self.num_ranks:
+                raise ValueError(f"writer {writer} of {name!r} is not a rank")
+
+    def file_for(self, rank: int) -> FileRecord | None:
+        for record in self.files:
+            if record.rank == rank:
+                return record
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        tensors = {}
+        for name, spec in self.tensor_specs.items():
+            entry = spec.to_json()
+            if name in self.writers:
+                entry["writer"] = self.writers[name]
+            tensors[name] = entry
+        return {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "num_ranks": self.num_ranks,
+            "step": self.step,
+            "generation": self.generation,
+            "mesh": encode_object(self.mesh) if self.mesh is not None else None,
+            "tensors": tensors,
+            "files": [record.to_json() for record in self.files],
+            "extra": encode_object(dict(self.extra)),
+            "state": self.state.to_json() if self.state is not None else None,
+        }
+
+    def dumps(self) -> str:
+        """The ``metadata.json`` text: one top-level key per line, one tensor or file
+        record per line (diff- and grep-friendly), plain JSON all the same."""
+        doc = self.to_json()
+
+        def compact(value: Any) -> str:
+            return json.dumps(value, separators=(", ", ": "), allow_nan=False)
+
+        lines = ["{"]
+        keys = list(doc)
+        for index, key in enumerate(keys):
+            value = doc[key]
+            comma = "," if index < len(keys) - 1 else ""
+            if key == "tensors" and value:
+                lines.append(f" {json.dumps(key)}: {{")
+                items = list(value.items())
+                for j, (name, entry) in enumerate(items):
+                    sep = "," if j < len(items) - 1 else ""
+                    lines.append(f"  {json.dumps(name)}: {compact(entry)}{sep}")
+                lines.append(" }" + comma)
+            elif key == "files" and value:
+                lines.append(f" {json.dumps(key)}: [")
+                for j, entry in enumerate(value):
+                    sep = "," if j < len(value) - 1 else ""
+                    lines.append(f"  {compact(entry)}{sep}")
+                lines.append(" ]" + comma)
+            else:
+                lines.append(f" {json.dumps(key)}: {compact(value)}{comma}")
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_json(cls, data: Any) -> ShardMetadata:
+        """Parse the JSON form; unknown newer versions raise ``CheckpointVersionError``."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+            raise CheckpointCorruptError("not a netdist checkpoint metadata document")
+        version = data.get("version")
+        if not isinstance(version, int) or version < 1:
+            raise CheckpointCorruptError(f"invalid format version {version!r}")
+        if version > FORMAT_VERSION:
+            raise CheckpointVersionError(
+                f"checkpoint format version {version} is newer than this netdist "
+                f"supports ({FORMAT_VERSION}); upgrade netdist to read it")
+        try:
+            specs = {}
+            writers = {}
+            for name, entry in data["tensors"].items():
+                specs[name] = TensorShardSpec.from_json(entry)
+                if "writer" in entry:
+                    writers[name] = int(entry["writer"])
+            state = data.get("state")
+            return cls(
+                num_ranks=int(data["num_ranks"]),
+                tensor_specs=specs,
+                version=version,
+                mesh=decode_object(data["mesh"]) if data.get("mesh") is not None else None,
+                extra=decode_object(data.get("extra", {})),
+                step=data.get("step"),
+                writers=writers,
+                files=tuple(FileRecord.from_json(f) for f in data.get("files", [])),
+                state=StateLayout.from_json(state) if state is not None else None,
+                generation=int(data.get("generation", 0)),
+            )
+        except CheckpointVersionError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointCorruptError(f"malformed checkpoint metadata: {exc!r}") from exc
+
+    @classmethod
+    def loads(cls, text: str | bytes) -> ShardMetadata:
+        try:
+            data = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CheckpointCorruptError(f"metadata is not valid JSON: {exc}") from exc
+        return cls.from_json(data)
+
+    def local_shapes(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """Shape of every tensor as held by ``rank`` (full shape for replicated ones)."""
+        return {name: spec.local_shape(rank) for name, spec in self.tensor_specs.items()}
+
+    def rebalanced(self, num_ranks: int) -> dict[str, TensorShardSpec]:
+        """Specs for ``num_ranks`` ranks: same dims, ``chunk_sizes`` split (same layout
+        if ``num_ranks`` equals the saved world size)."""
+        if num_ranks == self.num_ranks:
+            return dict(self.tensor_specs)
+        out = {}
+        for name, spec in self.tensor_specs.items():
+            if spec.shard_dim is None:
+                out[name] = spec
+            else:
+                sizes = tuple(stop - start for start, stop in
+                              chunk_bounds(spec.full_shape[spec.shard_dim], num_ranks))
+                out[name] = TensorShardSpec(spec.full_shape, spec.shard_dim, sizes, spec.dtype)
+        return out
+
+
+# --------------------------------------------------------------------------- object codec
+
+
+def encode_object(obj: Any) -> Any:
+    """Encode a plain value into JSON-safe data that :func:`decode_object` inverts.
+
+    Supported: None, bool, int (any size), float (incl. NaN/inf), str, bytes, list,
+    tuple, dict (any encodable keys), NumPy scalars, small NumPy arrays (inline, base64),
+    ``np.random.Generator`` and bit generators. Anything else is a ``TypeError``:
+    no pickle, ever.
+    """
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        if _INT64_MIN <= obj <= _INT64_MAX:
+            return obj
+        return {_TAG: "int", "v": str(obj)}
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj
+        return {_TAG: "float", "v": repr(obj)}
+    if isinstance(obj, np.generic):
+        dtype = obj.dtype
+        if dtype.name not in WIRE_DTYPES:
+            raise TypeError(f"cannot encode NumPy scalar of dtype {dtype}")
+        return {_TAG: "scalar", "dtype": dtype.name, "v": encode_object(obj.item())}
+    if isinstance(obj, np.ndarray):
+        dtype_name = dtype_to_wire(obj.dtype)
+        data = np.ascontiguousarray(obj, dtype=WIRE_DTYPES[dtype_name])
+        return {_TAG: "array", "dtype": dtype_name, "shape": list(obj.shape),
+                "v": base64.b64encode(data.tobytes()).decode("ascii")}
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return {_TAG: "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
+    if isinstance(obj, tuple):
+        return {_TAG: "tuple", "v": [encode_object(x) for x in obj]}
+    if isinstance(obj, list):
+        return [encode_object(x) for x in obj]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and _TAG not in obj:
+            return {k: encode_object(v) for k, v in obj.items()}
+        return {_TAG: "dict", "v": [[encode_object(k), encode_object(v)] for k, v in obj.items()]}
+    if isinstance(obj, np.random.Generator):
+        return {_TAG: "generator", "v": encode_object(obj.bit_generator.state)}
+    if isinstance(obj, np.random.BitGenerator):
+        return {_TAG: "bit_generator", "v": encode_object(obj.state)}
+    raise TypeError(f"cannot store a {type(obj).__name__} in checkpoint metadata "
+                    f"(plain values, NumPy scalars/arrays and RNGs only)")
+
+
+def _bit_generator_from_state(state: Any) -> np.random.BitGenerator:
+    if not isinstance(state, dict) or state.get("bit_generator") not in _BIT_GENERATORS:
+        raise CheckpointCorruptError(f"unknown bit generator state {state!r:.80}")
+    bit_gen = getattr(np.random, state["bit_generator"])()
+    bit_gen.state = state
+    return bit_gen
+
+
+def decode_object(data: Any) -> Any:
+    """Invert :func:`encode_object`."""
+    if isinstance(data, list):
+        return [decode_object(x) for x in data]
+    if not isinstance(data, dict):
+        return data
+    tag = data.get(_TAG)
+    if tag is None:
+        return {k: decode_object(v) for k, v in data.items()}
+    try:
+        value = data["v"]
+        if tag == "int":
+            return int(value)
+        if tag == "float":
+            return float(value)
+        if tag == "scalar":
+            return WIRE_DTYPES[data["dtype"]].type(decode_object(value))
+        if tag == "array":
+            dtype = WIRE_DTYPES[data["dtype"]]
+            raw = base64.b64decode(value)
+            return np.frombuffer(raw, dtype=dtype).reshape(data["shape"]).copy()
+        if tag == "bytes":
+            return base64.b64decode(value)
+        if tag == "tuple":
+            return tuple(decode_object(x) for x in value)
+        if tag == "dict":
+            return {_hashable(decode_object(k)): decode_object(v) for k, v in value}
+        if tag == "generator":
+            return np.random.Generator(_bit_generator_from_state(decode_object(value)))
+        if tag == "bit_generator":
+            return _bit_generator_from_state(decode_object(value))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointCorruptError(f"malformed encoded value {data!r:.80}: {exc}") from exc
+    raise CheckpointCorruptError(f"unknown encoded value tag {tag!r}")
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, list):
+        return tuple(_hashable(k) for k in key)
+    return key

@@ -1,0 +1,224 @@
+"""PURE checkpoint planning: who writes what, and which byte ranges each rank reads.
+
+Plans are functions of the metadata only, so every rank computes the same plan without
+talking to the others, and tests build every rank's plan in one process:
+
+- :func:`assign_writers` dedups replicated tensors: each is written once, by the rank with
+  the fewest planned bytes so far (largest tensors first, ties to the lowest rank): a
+  balanced greedy (LPT) schedule instead of "rank 0 writes everything".
+- :func:`plan_writes` lists, per rank, the arrays that go into its file.
+- :func:`plan_reads` maps a wanted region of each tensor (a box in full-tensor
+  coordinates) onto the stored shards that overlap it: only those regions are read.
+- :func:`run_layout` describes a box of a C-ordered array as a grid of contiguous runs,
+  which is what turns a read plan into ``pread`` calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from netdist.checkpoint.metadata import TensorShardSpec
+from netdist.types import WIRE_DTYPES
+
+__all__ = [
+    "Box",
+    "WriteItem",
+    "WritePlan",
+    "ReadItem",
+    "assign_writers",
+    "plan_writes",
+    "plan_reads",
+    "target_boxes",
+    "intersect",
+    "box_shape",
+    "box_size",
+    "run_layout",
+]
+
+Box = tuple[tuple[int, int], ...]
+"""A region of an array: one ``(start, stop)`` per dimension."""
+
+
+def _itemsize(spec: TensorShardSpec) -> int:
+    return WIRE_DTYPES[spec.dtype].itemsize if spec.dtype is not None else 1
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in box)
+
+
+def box_size(box: Box) -> int:
+    return int(np.prod(box_shape(box), dtype=np.int64)) if box else 1
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """Intersection of two boxes, ``None`` when it holds no element."""
+    if len(a) != len(b):
+        raise ValueError(f"boxes of different rank: {a} and {b}")
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if hi <= lo:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def _shift(box: Box, origin: Box) -> Box:
+    return tuple((lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin))
+
+
+@dataclass(frozen=True, slots=True)
+class WriteItem:
+    """One array in one rank's file: its name, local shape and whether it is replicated."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str | None
+    nbytes: int
+    replicated: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WritePlan:
+    """Every rank's file contents; ``bytes_per_rank[r]`` is rank ``r``'s planned payload."""
+
+    num_ranks: int
+    writers: Mapping[str, int]
+    items: tuple[tuple[WriteItem, ...], ...]
+    bytes_per_rank: tuple[int, ...]
+
+    def for_rank(self, rank: int) -> tuple[WriteItem, ...]:
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank {rank} out of range for world size {self.num_ranks}")
+        return self.items[rank]
+
+
+def assign_writers(specs: Mapping[str, TensorShardSpec], num_ranks: int) -> dict[str, int]:
+    """Pick the one rank that writes each replicated tensor.
+
+    Start from each rank's sharded bytes; take replicated tensors largest first (ties by
+    name) and give each to the rank with the fewest planned bytes (ties to the lowest
+    rank). Deterministic: every rank computes the same answer from the same specs.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    load = [0] * num_ranks
+    replicated = []
+    for name, spec in specs.items():
+        itemsize = _itemsize(spec)
+        if spec.shard_dim is None:
+            replicated.append((int(np.prod(spec.full_shape, dtype=np.int64)) * itemsize, name))
+        else:
+            for rank in range(num_ranks):
+                load[rank] += box_size(spec.box(rank)) * itemsize
+    writers = {}
+    for nbytes, name in sorted(replicated, key=lambda t: (-t[0], t[1])):
+        rank = min(range(num_ranks), key=lambda r: (load[r], r))
+        writers[name] = rank
+        load[rank] += nbytes
+    return {name: writers[name] for name in specs if name in writers}
+
+
+def plan_writes(specs: Mapping[str, TensorShardSpec], num_ranks: int,
+                writers: Mapping[str, int] | None = None) -> WritePlan:
+    """Plan every rank's file: its shards plus the replicated tensors it was assigned."""
+    if writers is None:
+        writers = assign_writers(specs, num_ranks)
+    items: list[list[WriteItem]] = [[] for _ in range(num_ranks)]
+    for name, spec in specs.items():
+        itemsize = _itemsize(spec)
+        if spec.shard_dim is None:
+            rank = writers[name]
+            items[rank].append(WriteItem(name, spec.full_shape, spec.dtype,
+                                         box_size(spec.box(0)) * itemsize, True))
+            continue
+        for rank in range(num_ranks):
+            shape = spec.local_shape(rank)
+            items[rank].append(WriteItem(name, shape, spec.dtype,
+                                         int(np.prod(shape, dtype=np.int64)) * itemsize, False))
+    totals = tuple(sum(item.nbytes for item in rank_items) for rank_items in items)
+    return WritePlan(num_ranks, dict(writers), tuple(tuple(r) for r in items), totals)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadItem:
+    """Copy ``src_box`` of the array ``name`` stored in rank ``src_rank``'s file (whose
+    stored shape is ``src_shape``) into ``dst_box`` of the destination array."""
+
+    name: str
+    src_rank: int
+    src_shape: tuple[int, ...]
+    src_box: Box
+    dst_box: Box
+
+    @property
+    def size(self) -> int:
+        return box_size(self.src_box)
+
+
+def target_boxes(specs: Mapping[str, TensorShardSpec], rank: int) -> dict[str, Box]:
+    """The box of every tensor that ``rank`` holds under ``specs``."""
+    return {name: spec.box(rank) for name, spec in specs.items()}
+
+
+def plan_reads(saved: Mapping[str, TensorShardSpec], writers: Mapping[str, int],
+               wanted: Mapping[str, Box]) -> dict[str, tuple[ReadItem, ...]]:
+    """For each wanted tensor region, the stored pieces that cover it.
+
+    ``saved`` and ``writers`` describe the checkpoint; ``wanted[name]`` is a box in
+    full-tensor coordinates (any box: a shard along the saved dim, along another dim, or
+    the whole tensor). The pieces tile the box exactly once.
+    """
+    plan: dict[str, tuple[ReadItem, ...]] = {}
+    for name, want in wanted.items():
+        if name not in saved:
+            raise KeyError(name)
+        spec = saved[name]
+        if len(want) != len(spec.full_shape):
+            raise ValueError(f"{name}: wanted box {want} does not match shape {spec.full_shape}")
+        for (lo, hi), n in zip(want, spec.full_shape):
+            if not 0 <= lo <= hi <= n:
+                raise ValueError(f"{name}: wanted box {want} is outside shape {spec.full_shape}")
+        if box_size(want) == 0:
+            plan[name] = ()
+            continue
+        if spec.shard_dim is None:
+            if name not in writers:
+                raise ValueError(f"no writer recorded for replicated tensor {name!r}")
+            plan[name] = (ReadItem(name, writers[name], spec.full_shape, want,
+                                   _shift(want, want)),)
+            continue
+        pieces = []
+        for src in range(len(spec.shard_sizes)):
+            stored = spec.box(src)
+            overlap = intersect(want, stored)
+            if overlap is None:
+                continue
+            pieces.append(ReadItem(name, src, box_shape(stored), _shift(overlap, stored),
+                                   _shift(overlap, want)))
+        plan[name] = tuple(pieces)
+    return plan
+
+
+def run_layout(shape: tuple[int, ...], box: Box) -> tuple[int, int]:
+    """Describe ``box`` of a C-ordered array of ``shape`` as contiguous runs.
+
+    Returns ``(k, run)``: the box is the grid of index tuples over dims ``< k`` (within
+    the box), and each grid point is one contiguous run of ``run`` elements starting at
+    the box's corner along dims ``>= k``. A box that is one contiguous range has ``k``
+    such that every dim before it has extent 1 within the box.
+    """
+    ndim = len(shape)
+    run = 1
+    k = ndim
+    for dim in range(ndim - 1, -1, -1):
+        lo, hi = box[dim]
+        run *= hi - lo
+        k = dim
+        if (lo, hi) != (0, shape[dim]):
+            break
+    return k, run

@@ -1,0 +1,175 @@
+"""``netdist ckpt``: inspect, verify, consolidate and reshard checkpoints.
+
+::
+
+    netdist ckpt inspect DIR                      table of tensors, layouts, files
+    netdist ckpt verify DIR                       check sizes, headers, every CRC block
+    netdist ckpt consolidate DIR OUT.safetensors  one file with every full tensor
+    netdist ckpt reshard DIR --world-size N OUT   rewrite for N ranks
+
+``DIR`` is a checkpoint directory or a root holding ``step_*`` directories (``latest``
+or ``--step`` picks one). Long operations draw a progress line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, TextIO
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "ckpt", help="inspect, verify, consolidate or reshard a checkpoint",
+        description="Work with netdist distributed checkpoints.")
+    commands = parser.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("dir", metavar="DIR",
+                       help="checkpoint directory, or a root with step_* directories")
+        p.add_argument("--step", type=int, default=None,
+                       help="pick step N under a root (default: latest)")
+
+    p = commands.add_parser("inspect", help="table of tensors, dtypes, shapes, layouts")
+    common(p)
+    p = commands.add_parser("verify", help="check every shard file against its checksums")
+    common(p)
+    p = commands.add_parser("consolidate", help="write one safetensors file of full tensors")
+    common(p)
+    p.add_argument("out", metavar="OUT.safetensors")
+    p.add_argument("--no-verify", action="store_true", help="skip checksum verification")
+    p = commands.add_parser("reshard", help="rewrite the checkpoint for N ranks")
+    common(p)
+    p.add_argument("--world-size", type=int, required=True, metavar="N")
+    p.add_argument("out", metavar="OUT", help="new checkpoint directory")
+    p.add_argument("--rank-objects", choices=("error", "modulo", "rank0", "drop"),
+                   default="error",
+                   help="how per-rank values map onto the new ranks (default: error)")
+    p.add_argument("--no-verify", action="store_true", help="skip checksum verification")
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+class _ProgressLine:
+    """A throttled ``label: done/total (pct)`` line on stderr, ended by ``finish()``."""
+
+    def __init__(self, label: str, stream: TextIO | None = None) -> None:
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self._last = 0.0
+        self._shown = False
+        self._started = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self._last < 0.2 and done < total:
+            return
+        self._last = now
+        done = min(done, total)
+        pct = 100.0 * done / total if total else 100.0
+        self.stream.write(f"\r{self.label}: {_size(done)} / {_size(total)} ({pct:5.1f}%)")
+        self.stream.flush()
+        self._shown = True
+
+    def finish(self) -> None:
+        if self._shown:
+            elapsed = time.perf_counter() - self._started
+            self.stream.write(f"  {elapsed:.1f} s\n")
+            self.stream.flush()
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for index, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if index == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from netdist.checkpoint import inspect_checkpoint
+
+    directory, metadata, rows = inspect_checkpoint(args.dir, args.step)
+    total_files = sum(f.size for f in metadata.files)
+    print(f"checkpoint {directory}")
+    print(f"  format version {metadata.version}, saved by {metadata.num_ranks} rank(s)"
+          + (f", step {metadata.step}" if metadata.step is not None else ""))
+    print(f"  {len(rows)} tensors, {_size(sum(r.nbytes for r in rows))} of tensor data, "
+          f"{len(metadata.files)} files, {_size(total_files)} on disk")
+    table = [["tensor", "dtype", "shape", "layout", "bytes", "ranks"]]
+    for row in rows:
+        ranks = ",".join(str(r) for r in row.ranks) if len(row.ranks) <= 8 else \
+            f"{row.ranks[0]}..{row.ranks[-1]}"
+        table.append([row.name, row.dtype, str(row.full_shape),
+                      row.layout, _size(row.nbytes), ranks])
+    print(_table(table))
+    print(_table([["file", "rank", "size"]] +
+                 [[f.name, str(f.rank), _size(f.size)] for f in metadata.files]))
+    if metadata.state is not None:
+        values = [*metadata.state.objects, *metadata.state.rank_objects]
+        per_rank = sorted(metadata.state.rank_objects)
+        print(f"  values: {', '.join(values) or '-'}"
+              + (f" (per rank: {', '.join(per_rank)})" if per_rank else ""))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from netdist.checkpoint import verify_checkpoint
+
+    progress = _ProgressLine("verify")
+    report = verify_checkpoint(args.dir, args.step, progress=progress)
+    progress.finish()
+    if report.ok:
+        print(f"OK: {report.path}: {report.files} files, {_size(report.nbytes)} verified")
+        return 0
+    print(f"FAILED: {report.path}: {len(report.problems)} problem(s)")
+    for problem in report.problems:
+        print(f"  {problem}")
+    return 1
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from netdist.checkpoint import consolidate
+
+    progress = _ProgressLine("consolidate")
+    out = consolidate(args.dir, args.out, step=args.step, verify=not args.no_verify,
+                      progress=progress)
+    progress.finish()
+    print(f"wrote {out}")
+    return 0
+
+
+def _reshard(args: argparse.Namespace) -> int:
+    from netdist.checkpoint import reshard_checkpoint
+    from netdist.errors import ConfigError
+
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
+    progress = _ProgressLine("reshard")
+    metadata = reshard_checkpoint(args.dir, args.out, args.world_size, step=args.step,
+                                  verify=not args.no_verify, rank_objects=args.rank_objects,
+                                  progress=progress)
+    progress.finish()
+    print(f"wrote {args.out}: {metadata.num_ranks} ranks, {len(metadata.tensor_specs)} tensors")
+    return 0
+
+
+_ACTIONS: dict[str, Any] = {"inspect": _inspect, "verify": _verify,
+                            "consolidate": _consolidate, "reshard": _reshard}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch ``netdist ckpt ACTION``; checkpoint errors propagate as ``NetdistError``."""
+    return int(_ACTIONS[args.ckpt_command](args))
