@@ -1,0 +1,198 @@
+"""PURE flat-parameter arithmetic for FSDP: wrap units, flat layouts and shard ownership.
+
+FSDP flattens the parameters of each *unit* (a run of consecutive layers) into one 1-D
+buffer, pads it to a multiple of the shard-group size ``S`` and gives shard ``k`` the
+contiguous slice ``[k * s, (k + 1) * s)`` with ``s = padded / S``. Padding sits at the end
+of the buffer and is always zero, so no size has to divide evenly and every shard has the
+same length (which is also what ``chunk_bounds(padded, S)`` -- the reduce-scatter and
+all-gather split rule -- gives for a padded buffer)::
+
+    params   | w0 (6) | b0 (3) | w1 (4) |            numel = 13, S = 4
+    flat     |0 ....................12|pad pad pad|  padded = 16, s = 4
+    shards   |  k=0   |  k=1   |  k=2   |  k=3   |   k=3 holds 1 real element, 3 padding
+
+Everything here is a pure function of shapes: every rank builds the same layout, which is
+what lets the ranks issue their collectives in the same order. Nothing here imports
+``asyncio`` or ``socket``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from netdist.sharding import chunk_bounds, padded_size
+
+__all__ = [
+    "ParamSlot",
+    "ShardPiece",
+    "FlatParamLayout",
+    "plan_units",
+]
+
+
+def _check_int(value: Any, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def plan_units(param_counts: Sequence[int], min_params: int = 0) -> tuple[tuple[int, int], ...]:
+    """Group consecutive layers into FSDP units by parameter count (the auto-wrap policy).
+
+    ``param_counts[i]`` is the number of parameters of layer ``i``. Layers are added to
+    the current unit until it holds at least ``min_params`` parameters; the next layer
+    *with* parameters then starts a new unit. Parameter-free layers (activations) always
+    ride along with the unit before them (leading ones with the first unit), so a unit
+    never consists of activations only unless the whole model does. ``min_params <= 1``
+    gives one unit per layer with parameters. Returns ``(start, stop)`` layer ranges
+    covering ``0 .. len(param_counts)`` in order; an empty model gives no units.
+    """
+    counts = [_check_int(c, "param_counts entry", 0) for c in param_counts]
+    threshold = _check_int(min_params, "min_params", 0)
+    units: list[tuple[int, int]] = []
+    start, held = 0, 0
+    for index, count in enumerate(counts):
+        if count > 0 and held > 0 and held >= threshold:
+            units.append((start, index))
+            start, held = index, 0
+        held += count
+    if counts:
+        units.append((start, len(counts)))
+    return tuple(units)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSlot:
+    """Where one parameter lives in its unit's flat buffer: ``flat[offset:offset+numel]``."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPiece:
+    """The part of parameter ``slot`` that one shard holds.
+
+    ``flat(param)[param_start:param_stop]`` (the parameter flattened in C order) sits at
+    ``shard[shard_start : shard_start + (param_stop - param_start)]``.
+    """
+
+    slot: int
+    param_start: int
+    param_stop: int
+    shard_start: int
+
+    @property
+    def numel(self) -> int:
+        return self.param_stop - self.param_start
+
+
+@dataclass(frozen=True, slots=True)
+class FlatParamLayout:
+    """The flat buffer of one unit: parameter slots, padding and the ``S`` equal shards."""
+
+    slots: tuple[ParamSlot, ...]
+    dtype: str
+    num_shards: int
+    numel: int
+    padded_numel: int
+    shard_numel: int
+
+    @classmethod
+    def build(cls, names: Sequence[str], shapes: Sequence[Sequence[int]], dtype: Any,
+              num_shards: int) -> FlatParamLayout:
+        """Lay out parameters ``names``/``shapes`` back to back, padded for ``num_shards``."""
+        shards = _check_int(num_shards, "num_shards", 1)
+        if len(names) != len(shapes):
+            raise ValueError(f"{len(names)} names for {len(shapes)} shapes")
+        dt = np.dtype(dtype)
+        slots = []
+        offset = 0
+        for name, shape in zip(names, shapes):
+            dims = tuple(_check_int(d, f"dimension of {name!r}", 0) for d in shape)
+            numel = int(np.prod(dims, dtype=np.int64))
+            slots.append(ParamSlot(str(name), dims, offset, numel))
+            offset += numel
+        padded = padded_size(offset, shards)
+        return cls(tuple(slots), dt.name, shards, offset, padded, padded // shards)
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def padding(self) -> int:
+        """Zero elements appended so that ``num_shards`` divides the buffer."""
+        return self.padded_numel - self.numel
+
+    def shard_bounds(self, shard: int) -> tuple[int, int]:
+        """``(start, stop)`` of shard ``shard`` in the padded flat buffer."""
+        self._check_shard(shard)
+        return chunk_bounds(self.padded_numel, self.num_shards)[shard]
+
+    def valid_numel(self, shard: int) -> int:
+        """Real (non-padding) elements in shard ``shard``: always a prefix of the shard."""
+        start, stop = self.shard_bounds(shard)
+        return max(0, min(stop, self.numel) - start)
+
+    def pieces(self, shard: int) -> tuple[ShardPiece, ...]:
+        """The parameter pieces shard ``shard`` holds, in flat order (padding excluded)."""
+        start, stop = self.shard_bounds(shard)
+        out = []
+        for index, slot in enumerate(self.slots):
+            lo = max(start, slot.offset)
+            hi = min(stop, slot.offset + slot.numel)
+            if hi > lo:
+                out.append(ShardPiece(index, lo - slot.offset, hi - slot.offset, lo - start))
+        return tuple(out)
+
+    def param_shard_sizes(self, slot: int) -> tuple[int, ...]:
+        """How many elements of parameter ``slot`` each shard holds (sums to its numel).
+
+        Shards are contiguous and in shard order, so these sizes describe the parameter,
+        flattened, as a dim-0 sharded 1-D tensor (the checkpoint ``TensorShardSpec``).
+        """
+        if not 0 <= slot < len(self.slots):
+            raise ValueError(f"slot {slot} is outside 0..{len(self.slots) - 1}")
+        entry = self.slots[slot]
+        sizes = []
+        for start, stop in chunk_bounds(self.padded_numel, self.num_shards):
+            lo = max(start, entry.offset)
+            hi = min(stop, entry.offset + entry.numel)
+            sizes.append(max(0, hi - lo))
+        return tuple(sizes)
+
+    def flatten(self, arrays: Sequence[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
+        """Copy ``arrays`` (one per slot, matching shapes) into a padded flat buffer."""
+        if len(arrays) != len(self.slots):
+            raise ValueError(f"{len(arrays)} arrays for {len(self.slots)} parameter slots")
+        if out is None:
+            out = np.zeros(self.padded_numel, self.dtype)
+        elif out.shape != (self.padded_numel,):
+            raise ValueError(f"out has shape {out.shape}, expected ({self.padded_numel},)")
+        for slot, array in zip(self.slots, arrays):
+            value = np.asarray(array)
+            if value.shape != slot.shape:
+                raise ValueError(f"parameter {slot.name!r}: shape {value.shape}, layout "
+                                 f"has {slot.shape}")
+            out[slot.offset:slot.offset + slot.numel] = value.reshape(-1)
+        out[self.numel:] = 0
+        return out
+
+    def views(self, flat: np.ndarray) -> list[np.ndarray]:
+        """Per-parameter views (original shapes) into a flat buffer of ``numel`` or more."""
+        if flat.ndim != 1 or flat.size < self.numel:
+            raise ValueError(f"flat buffer of shape {flat.shape} is smaller than {self.numel}")
+        return [flat[s.offset:s.offset + s.numel].reshape(s.shape) for s in self.slots]
+
+    def _check_shard(self, shard: int) -> None:
+        if not 0 <= shard < self.num_shards:
+            raise ValueError(f"shard {shard} is outside 0..{self.num_shards - 1}")
