@@ -2,7 +2,9 @@
 
 Starts N ``netdist worker`` processes on 127.0.0.1 through the launcher (output prefixed
 ``[rank N]``); rank 0 reports epoch, step, loss, samples/s, the share of time spent
-communicating and the final test accuracy.
+communicating and the final test accuracy. With ``--pipeline-stages P`` the N ranks form
+N/P replicas of a P-stage pipeline (N must be a multiple of P; checked here, before any
+process starts).
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ examples:
   netdist demo -n 4                          # ring all-reduce, 20 epochs
   netdist demo -n 4 --aggregator topk        # 1% of each gradient, error feedback
   netdist demo -n 2 --epochs 5 --seed 3
+  netdist demo -n 2 --pipeline-stages 2      # the MLP cut into 2 pipeline stages
+  netdist demo -n 4 --pipeline-stages 2 --micro-batches 8 --schedule gpipe
+                                             # 2 stages x 2 data-parallel replicas
+
+--pipeline-stages works with --aggregator ring only (each stage's gradients are
+all-reduced over its replicas) and cannot be combined with checkpointing
+(--checkpoint-dir, --checkpoint-every, --resume); both are refused with an error.
 """
 
 
@@ -27,8 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser = subparsers.add_parser(
         "demo",
         help="train an MLP on the digits data set with N local ranks",
-        description="Launch N local ranks of the data-parallel digits MLP job and report "
-                    "progress from rank 0.",
+        description="Launch N local ranks of the digits MLP job (data-parallel, or "
+                    "pipelined with --pipeline-stages) and report progress from rank 0.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -49,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.nprocs < 1:
         raise ConfigError(f"-n must be >= 1, got {args.nprocs}")
-    config_from_args(args)  # fail here, once, rather than in every rank
+    config = config_from_args(args)  # fail here, once, rather than in every rank
+    config.check_world_size(args.nprocs)
     cmd = [sys.executable, "-m", "netdist.cli.main", "worker", *training_argv(args)]
     return launch(cmd, args.nprocs, max_restarts=args.max_restarts, timeout=args.job_timeout)

@@ -26,6 +26,14 @@ aggregators:
   ps-sharded  parameters partitioned across servers on the first ranks, SGD there
   ps-async    the same, asynchronous with bounded staleness
 
+pipeline parallelism (--pipeline-stages P):
+  the world size must be a multiple of P: the ranks form world/P replicas of a P-stage
+  pipeline (rank = replica * P + stage), each holding a slice of the MLP's layers; each
+  stage's gradients are all-reduced over its replicas, rank 0 reports the loss (from
+  the last stages) and the test accuracy (evaluated on the last stage of replica 0).
+  --batch-size counts samples per replica. Supported with --aggregator ring only and
+  without --checkpoint-dir / --checkpoint-every / --resume (refused with an error).
+
 parameter-server settings come from the environment:
   NETDIST_PS_SERVERS=S         server ranks for ps-sharded / ps-async (default 2)
   NETDIST_PS_MAX_STALENESS=K   ps-async staleness bound, or "none" (default 2)
@@ -43,7 +51,7 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
                    help="how gradients are averaged (default: ring)")
     g.add_argument("--epochs", type=int, default=20, help="passes over the data (default 20)")
     g.add_argument("--batch-size", type=int, default=32, metavar="B",
-                   help="samples per rank per step (default 32)")
+                   help="samples per rank per step, per replica when pipelined (default 32)")
     g.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9)")
     g.add_argument("--seed", type=int, default=0,
@@ -56,6 +64,18 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
                    help="all-reduce bucket size in MiB (default 25)")
     g.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="bound on every collective (default: the transport's timeout)")
+    p = parser.add_argument_group("pipeline parallelism")
+    p.add_argument("--pipeline-stages", type=int, default=0, metavar="P",
+                   help="split the MLP into P pipeline stages, one per rank; the world size "
+                        "must be a multiple of P (default 0: no pipelining). Only with "
+                        "--aggregator ring, no checkpointing")
+    p.add_argument("--micro-batches", type=int, default=4, metavar="M",
+                   help="micro-batches per replica batch (default 4)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b",
+                   help="pipeline schedule (default 1f1b)")
+    p.add_argument("--pipeline-balance", choices=("params", "layers"), default="params",
+                   help="cut stages with equal parameter counts or equal layer counts "
+                        "(default params)")
     c = parser.add_argument_group("checkpointing")
     c.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="directory for distributed checkpoints")
@@ -79,7 +99,9 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         lr=args.lr, momentum=args.momentum, seed=args.seed, hidden=hidden,
         topk_ratio=args.topk_ratio, bucket_mb=args.bucket_mb, timeout=args.timeout,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
+        resume=args.resume, pipeline_stages=args.pipeline_stages,
+        micro_batches=args.micro_batches, schedule=args.schedule,
+        pipeline_balance=args.pipeline_balance,
     )
 
 
@@ -100,6 +122,10 @@ def training_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--checkpoint-every", str(args.checkpoint_every)]
     if args.resume:
         argv.append("--resume")
+    if args.pipeline_stages:
+        argv += ["--pipeline-stages", str(args.pipeline_stages),
+                 "--micro-batches", str(args.micro_batches), "--schedule", args.schedule,
+                 "--pipeline-balance", args.pipeline_balance]
     return argv
 
 
@@ -108,8 +134,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser = subparsers.add_parser(
         "worker",
         help="run one rank of the digits training job",
-        description="Run one rank of the data-parallel digits MLP job. Rank, world size "
-                    "and coordinator come from the environment (see netdist launch).",
+        description="Run one rank of the digits MLP job (data-parallel, or pipelined with "
+                    "--pipeline-stages). Rank, world size and coordinator come from the "
+                    "environment (see netdist launch).",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -31,6 +31,29 @@ counters and the top-k residuals (per rank) with ``netdist.checkpoint.save`` eve
 checkpoint, on the same data order, so an interrupted run ends where an uninterrupted one
 would. ``ps-sharded`` / ``ps-async`` keep the optimizer on the servers and cannot
 checkpoint yet.
+
+Pipeline parallelism (``pipeline_stages`` = P > 0, ``--pipeline-stages``): the world of
+``W`` ranks forms ``W / P`` replicas of a P-stage pipeline (``netdist.parallel.pipeline``;
+rank layout ``rank = replica * P + stage``). Every rank builds the same seeded MLP and keeps
+only its stage's slice of ``model.layers``, cut by parameter count (``balance_stages``,
+the default) or by layer count (``split_into_stages``). Each step takes a global
+mini-batch of ``batch_size * replicas`` samples from the epoch's seeded permutation;
+replica ``r`` trains on rows ``chunk_bounds(rows, replicas)[r]`` of it, split into
+``micro_batches`` micro-batches run by the ``gpipe`` or ``1f1b`` schedule, and each
+stage's gradients are averaged over its replicas (the runtime's all-reduce) before the
+local SGD step. A final batch too small to give every micro-batch of every replica a row
+is skipped (it changes from epoch to epoch). The loss lives on the last stages: once per
+epoch one all-reduce brings it (averaged over the replicas) to rank 0, which prints::
+
+    epoch  3/20  step   135/900  loss 0.2134  samples/s 10,234  idle 41.2%  sent 16.0 KiB/step
+
+``idle`` is the share of the epoch the ranks spent outside forward/backward compute
+(pipeline bubble, transfers and the gradient all-reduce; mean over ranks), ``sent`` the
+activation and activation-gradient bytes a rank put on the wire per step (mean over
+ranks; the all-reduce not included). The test accuracy is computed on the last stage of
+replica 0 (``PipelineParallel.predict``) and broadcast, so every rank returns it.
+Pipelined runs average gradients with the runtime's all-reduce only (``--aggregator
+ring``) and do not checkpoint: other combinations raise ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -50,7 +73,22 @@ from netdist.parallel.aggregators import (
     GradientAggregator,
     TopKAggregator,
 )
-from netdist.train.data import Dataset, iterate_batches, load_digits_dataset, shard_indices
+from netdist.parallel.stages import (
+    SCHEDULES,
+    PipelineParallelConfig,
+    PipelineStage,
+    balance_stages,
+    parameter_costs,
+    split_into_stages,
+)
+from netdist.sharding import chunk_bounds
+from netdist.train.data import (
+    Dataset,
+    epoch_permutation,
+    iterate_batches,
+    load_digits_dataset,
+    shard_indices,
+)
 from netdist.train.losses import softmax_cross_entropy
 from netdist.train.nn import Sequential, mlp
 from netdist.train.optim import SGD, Optimizer
@@ -67,13 +105,17 @@ __all__ = [
     "UpdatePath",
     "UpdateFactory",
     "update_factories",
+    "PIPELINE_BALANCE_CHOICES",
     "build_model",
+    "pipeline_stages_for",
     "evaluate",
     "train_worker",
 ]
 
 AGGREGATOR_CHOICES = ("ring", "topk", "fp16", "ps", "ps-sharded", "ps-async")
 _SERVER_MODES = ("ps-sharded", "ps-async")
+PIPELINE_BALANCE_CHOICES = ("params", "layers")
+"""How ``--pipeline-stages`` cuts the MLP: equal parameter counts or equal layer counts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +125,8 @@ class DemoConfig:
     aggregator: str = "ring"
     epochs: int = 20
     batch_size: int = 32
-    """Samples per training rank per step; the global batch is that times the ranks."""
+    """Samples per training rank per step; the global batch is that times the ranks.
+    Pipelined: samples per pipeline replica per step (times the replicas globally)."""
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
@@ -98,6 +141,15 @@ class DemoConfig:
     keep_last: int = 3
     timeout: float | None = None
     """Bound on every collective (None: the transport's default)."""
+    pipeline_stages: int = 0
+    """Pipeline stages per replica (0: no pipelining, plain data parallelism). The world
+    size must be a multiple; ``batch_size`` then counts samples per replica per step."""
+    micro_batches: int = 4
+    """Micro-batches per replica mini-batch (pipelined runs only)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule, ``gpipe`` or ``1f1b`` (pipelined runs only)."""
+    pipeline_balance: str = "params"
+    """Cut the MLP into stages by ``params`` (equal parameter counts) or ``layers``."""
 
     def __post_init__(self) -> None:
         if self.aggregator not in AGGREGATOR_CHOICES:
@@ -129,6 +181,62 @@ class DemoConfig:
                               "servers and cannot checkpoint; use ring, topk, fp16 or ps")
         if self.timeout is not None and not self.timeout > 0:
             raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout}")
+        self._check_pipeline()
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the demo MLP (``Linear`` and ``ReLU`` alike): what stages cut."""
+        return 2 * len(self.hidden) + 1
+
+    def _check_pipeline(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown pipeline schedule {self.schedule!r}; choose from "
+                              f"{', '.join(SCHEDULES)}")
+        if self.pipeline_balance not in PIPELINE_BALANCE_CHOICES:
+            raise ConfigError(f"unknown pipeline balance {self.pipeline_balance!r}; choose "
+                              f"from {', '.join(PIPELINE_BALANCE_CHOICES)}")
+        if self.micro_batches < 1:
+            raise ConfigError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        if self.pipeline_stages < 0:
+            raise ConfigError(f"pipeline_stages must be >= 0 (0: no pipelining), got "
+                              f"{self.pipeline_stages}")
+        if not self.pipeline_stages:
+            defaults = (4, "1f1b", "params")
+            if (self.micro_batches, self.schedule, self.pipeline_balance) != defaults:
+                raise ConfigError("--micro-batches, --schedule and --pipeline-balance need "
+                                  "--pipeline-stages")
+            return
+        if self.aggregator != "ring":
+            raise ConfigError(
+                f"--pipeline-stages averages each stage's gradients over its replicas with "
+                f"the pipeline's own all-reduce; --aggregator {self.aggregator} cannot be "
+                f"combined with it (use the default, ring)")
+        if self.checkpoint_dir or self.resume or self.checkpoint_every:
+            raise ConfigError("pipelined runs (--pipeline-stages) cannot checkpoint yet; "
+                              "drop --checkpoint-dir, --checkpoint-every and --resume")
+        if self.pipeline_stages > self.num_layers:
+            sizes = ",".join(str(h) for h in self.hidden)
+            raise ConfigError(
+                f"--pipeline-stages {self.pipeline_stages} needs at least as many layers: "
+                f"the MLP with --hidden {sizes} has {self.num_layers} "
+                f"({len(self.hidden) + 1} Linear + {len(self.hidden)} ReLU); add hidden "
+                f"layers or use fewer stages")
+        if self.batch_size < self.micro_batches:
+            raise ConfigError(
+                f"--batch-size {self.batch_size} cannot be split into --micro-batches "
+                f"{self.micro_batches} (every micro-batch needs at least one sample)")
+
+    def check_world_size(self, world_size: int) -> int:
+        """Pipeline replicas for ``world_size`` ranks (``ConfigError`` unless a multiple
+        of ``pipeline_stages``); ``world_size`` itself when not pipelined."""
+        if not self.pipeline_stages:
+            return world_size
+        if world_size % self.pipeline_stages:
+            raise ConfigError(
+                f"--pipeline-stages {self.pipeline_stages} needs a world size that is a "
+                f"multiple of {self.pipeline_stages} (stages x data-parallel replicas), "
+                f"got {world_size} ranks")
+        return world_size // self.pipeline_stages
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +244,10 @@ class DemoResult:
     """What one rank observed (the reporting rank's is what the demo prints).
 
     Server ranks of the dedicated-server modes do not train: their accuracy and loss
-    are NaN and their step count 0.
+    are NaN and their step count 0. In pipelined runs every rank returns replica 0's
+    accuracy and the replicas' mean loss of the last epoch; ``comm_fraction`` is this
+    rank's share of time outside forward/backward compute and ``bytes_sent`` its
+    activation / activation-gradient traffic.
     """
 
     test_accuracy: float
@@ -274,6 +385,24 @@ def build_model(config: DemoConfig, dataset: Dataset) -> Sequential:
     return mlp(sizes, rng=np.random.default_rng(config.seed), dtype=np.float32)
 
 
+def pipeline_stages_for(model: Sequential, config: DemoConfig) -> list[PipelineStage]:
+    """How a pipelined run cuts ``model.layers`` into ``config.pipeline_stages`` stages.
+
+    ``pipeline_balance="params"``: ``balance_stages`` over per-layer parameter counts
+    (the slowest stage sets the pipeline's pace, and an MLP's compute follows its
+    parameters); ``"layers"``: ``split_into_stages`` (equal layer counts).
+    """
+    if config.pipeline_stages < 1:
+        raise ConfigError("pipeline_stages_for needs config.pipeline_stages >= 1")
+    layers = model.layers
+    if config.pipeline_stages > len(layers):
+        raise ConfigError(f"cannot cut {len(layers)} layers into {config.pipeline_stages} "
+                          f"pipeline stages")
+    if config.pipeline_balance == "params":
+        return balance_stages(parameter_costs(layers), config.pipeline_stages)
+    return split_into_stages(len(layers), config.pipeline_stages)
+
+
 def evaluate(model: Sequential, x: np.ndarray, y: np.ndarray) -> float:
     """Classification accuracy of ``model`` on ``(x, y)`` as a fraction."""
     return float(np.mean(np.argmax(model(x), axis=1) == y))
@@ -358,9 +487,13 @@ async def train_worker(transport: Transport, config: DemoConfig, *,
     All ranks must run this with the same ``config``. The reporting rank logs progress
     through ``log``. Returns this rank's result; every training rank evaluates the test
     accuracy on its own parameters (identical across ranks in the synchronous modes).
+    With ``config.pipeline_stages`` the run is pipelined (``factories`` is not used):
+    rank 0 reports, and every rank returns the accuracy of replica 0's pipeline.
     """
     from netdist.collectives import Group  # the job needs asyncio; the kit does not
 
+    if config.pipeline_stages:
+        return await _train_pipelined(transport, config, log)
     table = update_factories() if factories is None else factories
     if config.aggregator not in table:
         raise ConfigError(f"no update path registered for --aggregator {config.aggregator}")
@@ -482,4 +615,122 @@ async def _train(group: Group, config: DemoConfig, dataset: Dataset, model: Sequ
         comm_fraction=timed.seconds / total_time if total_time > 0 else 0.0,
         bytes_sent=timed.bytes_sent,
         resumed_from_step=resumed_from,
+    )
+
+
+# -- pipelined runs ------------------------------------------------------------------------
+
+
+async def _train_pipelined(transport: Transport, config: DemoConfig,
+                           log: Callable[[str], None] | None) -> DemoResult:
+    """One rank of a pipelined run: this rank's stage of one replica (module docstring)."""
+    from netdist.collectives import Group
+    from netdist.parallel.pipeline import PipelineParallel
+    from netdist.types import ReduceOp
+
+    replicas = config.check_world_size(transport.world_size)
+    num_stages = config.pipeline_stages
+    dataset = load_digits_dataset(seed=config.seed, dtype=np.float32)
+    model = build_model(config, dataset)
+    stages = pipeline_stages_for(model, config)
+    pp = PipelineParallelConfig(num_stages, config.micro_batches, config.schedule, replicas)
+    num_train = len(dataset.x_train)
+    global_batch = config.batch_size * replicas
+    min_rows = replicas * config.micro_batches  # a row for every micro-batch of every replica
+    full, tail = divmod(num_train, global_batch)
+    steps_per_epoch = full + (1 if tail >= min_rows else 0)
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"{num_train} training samples cannot give each of the {replicas} replicas' "
+            f"{config.micro_batches} micro-batches a sample; use fewer --micro-batches")
+    total_steps = steps_per_epoch * config.epochs
+
+    async with Group(transport, timeout=config.timeout) as group:
+        stage = stages[pp.stage_of(group.rank)]
+        replica = pp.replica_of(group.rank)
+
+        def make_optimizer(params: list[Any]) -> SGD:
+            return SGD(params, lr=config.lr, momentum=config.momentum,
+                       weight_decay=config.weight_decay)
+
+        pipe = PipelineParallel(transport, stage.select(model.layers), pp,
+                                loss_fn=softmax_cross_entropy, optimizer_factory=make_optimizer,
+                                group=group, timeout=config.timeout)
+        say = log if group.rank == 0 else None
+        if say:
+            sizes = "-".join(str(s) for s in [dataset.num_features, *config.hidden,
+                                              dataset.num_classes])
+            costs = parameter_costs(model.layers)
+            cut = " | ".join(f"[{s.start_layer}:{s.end_layer}] "
+                             f"{sum(costs[s.start_layer:s.end_layer]):,} params"
+                             for s in stages)
+            say(f"netdist demo: pipeline of {num_stages} stages x {replicas} replicas "
+                f"({group.world_size} ranks), schedule {pp.schedule}, "
+                f"{config.micro_batches} micro-batches, MLP {sizes} cut {cut}, {num_train} "
+                f"train / {len(dataset.x_test)} test samples, batch {config.batch_size} per "
+                f"replica ({global_batch} global), {steps_per_epoch} steps/epoch")
+
+        step = 0
+        last_loss = float("nan")
+        total_time = total_compute = 0.0
+        total_samples = total_sent = 0
+        for epoch in range(config.epochs):
+            order = epoch_permutation(num_train, epoch, config.seed)
+            epoch_start = time.perf_counter()
+            loss_sum, steps, samples, compute, sent = 0.0, 0, 0, 0.0, 0
+            for batch in iterate_batches(order, global_batch):
+                if len(batch) < min_rows:
+                    continue  # only the last batch of an epoch can be this short
+                start, stop = chunk_bounds(len(batch), replicas)[replica]
+                mine = batch[start:stop]
+                loss = await pipe.train_step(
+                    dataset.x_train[mine] if pipe.is_first else None,
+                    dataset.y_train[mine] if pipe.is_last else None)
+                if loss is not None:
+                    loss_sum += loss
+                stats = pipe.last_stats
+                if stats is not None:
+                    compute += stats.compute_seconds
+                    sent += stats.bytes_sent
+                steps += 1
+                samples += len(batch)
+            elapsed = time.perf_counter() - epoch_start
+            step += steps
+            total_time += elapsed
+            total_compute += compute
+            total_samples += samples
+            total_sent += sent
+            # The loss lives on the last stages: one all-reduce per epoch brings the
+            # replicas' mean (and every rank's idle share and traffic) to every rank.
+            idle = 1.0 - compute / elapsed if elapsed > 0 else 0.0
+            summary = np.array([loss_sum if pipe.is_last else 0.0,
+                                steps if pipe.is_last else 0, idle, sent], dtype=np.float64)
+            await group.all_reduce(summary, op=ReduceOp.SUM, timeout=config.timeout)
+            if summary[1]:
+                last_loss = float(summary[0] / summary[1])
+            if say and steps:
+                world = group.world_size
+                say(f"epoch {epoch + 1:>2}/{config.epochs}  step {step:>5}/{total_steps}  "
+                    f"loss {last_loss:.4f}  samples/s {samples / elapsed:,.0f}  "
+                    f"idle {summary[2] / world:.1%}  "
+                    f"sent {_human_bytes(summary[3] / world / steps)}/step")
+
+        # Replicas hold identical parameters: replica 0's pipeline evaluates, its last
+        # stage broadcasts the accuracy so every rank (and rank 0, which prints) has it.
+        accuracy: float | None = None
+        if replica == 0:
+            logits = await pipe.predict(dataset.x_test if pipe.is_first else None)
+            if logits is not None:
+                accuracy = float(np.mean(np.argmax(logits, axis=1) == dataset.y_test))
+        accuracy = float(await group.broadcast_object(accuracy, pp.rank_of(num_stages - 1, 0),
+                                                      timeout=config.timeout))
+        if say:
+            say(f"final test accuracy: {accuracy:.1%}")
+    return DemoResult(
+        test_accuracy=accuracy,
+        final_loss=last_loss,
+        steps=step,
+        samples_per_second=total_samples / total_time if total_time > 0 else 0.0,
+        comm_fraction=1.0 - total_compute / total_time if total_time > 0 else 0.0,
+        bytes_sent=total_sent,
     )
