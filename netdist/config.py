@@ -11,6 +11,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from netdist.errors import ConfigError
 
@@ -86,7 +87,7 @@ def _int_from(env: Mapping[str, str], *names: str) -> int | None:
         if value in (None, ""):
             continue
         try:
-            return int(value)  # type: ignore[arg-type]
+            return int(value)
         except ValueError:
             raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
     return None
@@ -131,13 +132,13 @@ class DistributedConfig:
         if not self.job_id:
             raise ConfigError("job_id must not be empty")
 
-    def replace(self, **changes: object) -> DistributedConfig:
+    def replace(self, **changes: Any) -> DistributedConfig:
         """Return a copy with ``changes`` applied (validated again)."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_env(
-        cls, environ: Mapping[str, str] | None = None, **overrides: object
+        cls, environ: Mapping[str, str] | None = None, **overrides: Any
     ) -> DistributedConfig:
         """Build a config from the environment; keyword ``overrides`` win over everything.
 
@@ -147,7 +148,7 @@ class DistributedConfig:
         ``OMPI_COMM_WORLD_SIZE``) and Kubernetes indexed Jobs (``JOB_COMPLETION_INDEX``).
         """
         env = os.environ if environ is None else environ
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}
 
         rank = _int_from(env, "NETDIST_RANK", "RANK", "SLURM_PROCID",
                          "OMPI_COMM_WORLD_RANK", "JOB_COMPLETION_INDEX")
@@ -190,4 +191,4 @@ class DistributedConfig:
                 "NETDIST_RANK/NETDIST_WORLD_SIZE (or RANK/WORLD_SIZE, SLURM_PROCID/"
                 "SLURM_NTASKS, OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE)"
             )
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)

@@ -55,7 +55,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, TextIO
+from typing import IO, Any, TextIO, cast
 
 from netdist.config import parse_host_port
 from netdist.errors import ConfigError
@@ -346,7 +346,8 @@ class _Attempt:
             if key.fileobj == self.wakeup.read_fd:
                 self.wakeup.drain()
                 continue
-            stream = key.fileobj
+            # besides the wakeup fd only Popen's stdout/stderr pipes are registered
+            stream = cast(IO[bytes], key.fileobj)
             splitter: _LineSplitter = key.data
             try:
                 data = os.read(key.fd, _READ_SIZE)
@@ -361,7 +362,7 @@ class _Attempt:
             else:
                 splitter.close()
                 self.selector.unregister(stream)
-                stream.close()  # type: ignore[union-attr]
+                stream.close()
                 self.open_pipes -= 1
 
     # -- termination ----------------------------------------------------------------
@@ -408,7 +409,7 @@ class _Attempt:
             for key in list(self.selector.get_map().values()):
                 if key.fileobj != self.wakeup.read_fd:
                     key.data.close()
-                    key.fileobj.close()  # type: ignore[union-attr]
+                    cast(IO[bytes], key.fileobj).close()  # a child's stdout/stderr pipe
             self.selector.close()
             for waiter in self.waiters:
                 waiter.join()

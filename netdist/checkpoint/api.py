@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import EllipsisType
 from typing import Any
 
 import numpy as np
@@ -100,6 +101,11 @@ def _check_rank(rank: int, world_size: int) -> None:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world size {world_size}")
+
+
+def _box_index(box: Box) -> tuple[slice | EllipsisType, ...]:
+    """The index selecting ``box`` from an array; the trailing ``...`` keeps a 0-d box a view."""
+    return (*(slice(lo, hi) for lo, hi in box), ...)
 
 
 def _as_array(value: Any, name: str) -> np.ndarray:
@@ -421,7 +427,7 @@ class CheckpointReader:
                     raise CheckpointCorruptError(
                         f"{shard_file.path}: {name!r} is stored as {entry.dtype} "
                         f"{entry.shape}, metadata says {spec.dtype} {item.src_shape}")
-                dest = dests[name][(*(slice(lo, hi) for lo, hi in item.dst_box), ...)]
+                dest = dests[name][_box_index(item.dst_box)]
                 tasks.append((item, dest))
         total = sum(d.nbytes for _, d in tasks)
         done = 0
@@ -537,7 +543,7 @@ def shard_state_dict(state_dict: Mapping[str, Any], metadata: ShardMetadata | Ma
         array = _as_array(state_dict[name], name)
         if tuple(array.shape) != spec.full_shape:
             raise ValueError(f"{name!r}: full shape {array.shape}, spec says {spec.full_shape}")
-        out[name] = array[(*(slice(lo, hi) for lo, hi in spec.box(rank)), ...)]
+        out[name] = array[_box_index(spec.box(rank))]
     return out
 
 

@@ -126,7 +126,7 @@ def _local_summary(state: Any, check_replicated: bool) -> tuple[dict[str, Any], 
             array, dim = _as_array(value, name), None
         entry: list[Any] = [dtype_to_wire(array.dtype), list(array.shape), dim]
         if check_replicated and dim is None:
-            entry.append(zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+            entry.append(zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data))
         tensors[name] = entry
         arrays[name] = array
     objects = {key: json.dumps(encode_object(value), allow_nan=False)
@@ -350,9 +350,9 @@ def _prepare_load(metadata: ShardMetadata, like: Any, gathered: list[dict[str, A
                 raise CheckpointMismatchError(
                     f"{name!r}: the shards in `like` (dim {dim}, {total} in all) do not "
                     f"tile the checkpoint's full shape {spec.full_shape}")
-            box = list(_full_box(spec.full_shape))
-            box[dim] = (offset, offset + dest.shape[dim])
-            box_t: Box = tuple(box)
+            corners = list(_full_box(spec.full_shape))
+            corners[dim] = (offset, offset + dest.shape[dim])
+            box_t: Box = tuple(corners)
         else:
             dest, box_t = value, _full_box(spec.full_shape)
         if not isinstance(dest, np.ndarray) or not dest.flags.writeable:

@@ -77,7 +77,7 @@ def byte_view(array: np.ndarray) -> memoryview:
     """A flat ``uint8`` memoryview of a C-contiguous array (any dtype, 0-d included)."""
     if not array.flags.c_contiguous:
         raise ValueError("byte_view needs a C-contiguous array")
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return array.reshape(-1).view(np.uint8).data
 
 
 def temp_name(final: str) -> str:
@@ -466,7 +466,10 @@ class ShardFile:
         if not self.verify:
             self._pread(offset, out)
             return
-        bs = self.record.block_size  # type: ignore[union-attr]
+        record = self.record
+        if record is None:
+            raise ValueError(f"{self.path}: verify is on but there is no checksum record")
+        bs = record.block_size
         verified = self._verified
         last = (end - 1) // bs
         fused = max(1, _FUSED_READ_BYTES // bs)

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "ckpt", help="inspect, verify, consolidate or reshard a checkpoint",
         description="Work with netdist distributed checkpoints.")

@@ -31,7 +31,7 @@ all-reduced over its replicas) and cannot be combined with checkpointing
 """
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``demo`` subcommand."""
     parser = subparsers.add_parser(
         "demo",

@@ -23,7 +23,7 @@ example:
 """
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``launch`` subcommand."""
     parser = subparsers.add_parser(
         "launch",

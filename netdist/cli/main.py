@@ -29,7 +29,7 @@ from netdist.errors import ConfigError, NetdistError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-COMMANDS: tuple[str, ...] = ("launch", "worker", "demo", "bench")
+COMMANDS: tuple[str, ...] = ("launch", "worker", "demo", "bench", "ckpt", "ps_server")
 """Subcommand modules under ``netdist.cli``, in the order ``netdist --help`` lists them."""
 
 EXIT_RUNTIME_ERROR = 1

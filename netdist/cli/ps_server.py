@@ -51,7 +51,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
                         help="command the worker ranks exec")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``ps-server``."""
     parser = subparsers.add_parser(
         "ps-server", help="run the dedicated parameter-server ranks of a job",

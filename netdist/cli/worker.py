@@ -129,7 +129,7 @@ def training_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``worker`` subcommand."""
     parser = subparsers.add_parser(
         "worker",

@@ -491,7 +491,7 @@ class FSDP:
         layout = FlatParamLayout.build(names, [p.data.shape for p in params], dtype,
                                        self._num_shards)
         flat = layout.flatten([p.data for p in params])
-        crc = zlib.crc32(flat.view(np.uint8)) if self.check_module_states else 0
+        crc = zlib.crc32(flat.view(np.uint8).data) if self.check_module_states else 0
         lo, hi = layout.shard_bounds(self._shard_index)
         mem = self._memory
         full: np.ndarray | None = None
@@ -551,6 +551,14 @@ class FSDP:
     def shard_group(self) -> Group | None:
         """The group parameters are sharded over (None under NO_SHARD)."""
         return self._shard_group
+
+    def _sharding(self) -> Group:
+        """The shard group, where a code path only runs with more than one shard."""
+        group = self._shard_group
+        if group is None:
+            raise RuntimeError(f"FSDP ({self.strategy.name}) has no shard group here "
+                               "(internal state error)")
+        return group
 
     @property
     def replica_group(self) -> Group | None:
@@ -679,7 +687,7 @@ class FSDP:
         self._check_open(what)
         if self._ready:
             return
-        mine = {
+        mine: dict[str, Any] = {
             "strategy": self.strategy.value,
             "prefetch_depth": self.prefetch_depth,
             "intra_node_size": self.intra_node_size or 0,
@@ -717,7 +725,7 @@ class FSDP:
         buf = self._memory.alloc("gathered", unit.layout.padded_numel, unit.layout.dtype,
                                  zero=False)
         unit.gather_buf = buf
-        unit.gather_work = await self._shard_group.all_gather(  # type: ignore[union-attr]
+        unit.gather_work = await self._sharding().all_gather(
             unit.shard, out=buf, async_op=True, timeout=self.timeout)
         self._timings.allgathers += 1
         self._timings.allgather_bytes += buf.nbytes
@@ -730,7 +738,11 @@ class FSDP:
         started = time.perf_counter()
         await unit.gather_work
         self._timings.allgather_wait += time.perf_counter() - started
-        for p, view in zip(unit.params, unit.layout.views(unit.gather_buf)):  # type: ignore[arg-type]
+        gathered = unit.gather_buf
+        if gathered is None:
+            raise RuntimeError(f"FSDP unit {unit.index}: all-gather finished without its "
+                               "buffer (internal state error)")
+        for p, view in zip(unit.params, unit.layout.views(gathered)):
             p.data = view
 
     def _release_all(self) -> None:
@@ -867,7 +879,7 @@ class FSDP:
                 elif self._num_shards > 1:
                     result = self._memory.alloc("grad_buffers", layout.shard_numel,
                                                 layout.dtype, zero=False)
-                    work = await self._shard_group.reduce_scatter(  # type: ignore[union-attr]
+                    work = await self._sharding().reduce_scatter(
                         buffer, ReduceOp.MEAN, out=result, async_op=True, timeout=self.timeout)
                     self._pending.append(work)
                     reducing.append(_GradJob(unit, work, buffer, result))
@@ -892,6 +904,9 @@ class FSDP:
         self._memory.free(job.buffer)
         job.buffer = None
         if self._replica_group is not None:
+            if job.result is None:
+                raise RuntimeError(f"FSDP unit {job.unit.index}: gradient reduction finished "
+                                   "without a reduced shard to average")
             job.work = await self._replica_group.all_reduce(
                 job.result, ReduceOp.MEAN, async_op=True, timeout=self.timeout)
             self._pending.append(job.work)
@@ -950,7 +965,7 @@ class FSDP:
                     await self._compute(optimizer.update, unit.shard[:unit.valid],
                                         unit.grad[:unit.valid], state, self._step)
                 if regather and unit.layout.numel:
-                    work = await self._shard_group.all_gather(  # type: ignore[union-attr]
+                    work = await self._sharding().all_gather(
                         unit.shard, out=unit.full, async_op=True, timeout=self.timeout)
                     self._pending.append(work)
                     works.append(work)
@@ -1039,6 +1054,7 @@ class FSDP:
                 shapes[slot.name] = slot.shape
                 arrays = {slot.name: unit.shard}
                 arrays.update({f"optim.{slot.name}.{key}": value for key, value in state.items()})
+                spec: dict[str, Any]
                 if replicated:
                     spec = {"full_shape": (slot.numel,), "shard_dim": None, "shard_sizes": (),
                             "dtype": layout.dtype}
@@ -1091,7 +1107,7 @@ class FSDP:
         if self.strategy is ShardingStrategy.SHARD_GRAD_OP and self._num_shards > 1:
             for unit in self._units:  # whole parameters again from the loaded shards
                 if unit.layout.numel:
-                    await self._shard_group.all_gather(  # type: ignore[union-attr]
+                    await self._sharding().all_gather(
                         unit.shard, out=unit.full, timeout=self.timeout)
         if step is not None:
             self._step = int(step)
@@ -1159,7 +1175,7 @@ class FSDP:
         buf = self._memory.alloc("gathered", unit.layout.padded_numel, unit.layout.dtype,
                                  zero=False)
         try:
-            await self._shard_group.all_gather(  # type: ignore[union-attr]
+            await self._sharding().all_gather(
                 local, out=buf, timeout=self.timeout)
         except BaseException:
             self._memory.free(buf)

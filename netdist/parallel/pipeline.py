@@ -390,8 +390,9 @@ class PipelineParallel:
 
         def check_sends() -> None:
             for task in sends:
-                if task.done() and not task.cancelled() and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+                error = task.exception() if task.done() and not task.cancelled() else None
+                if error is not None:
+                    raise error
 
         action: Action | None = None
         try:
@@ -401,23 +402,23 @@ class PipelineParallel:
                 if kind is ActionKind.RECV_ACTIVATION or kind is ActionKind.RECV_GRAD:
                     check_sends()
                     if kind is ActionKind.RECV_ACTIVATION:
-                        peer, direction = self.prev_rank, Direction.ACTIVATION
+                        peer, direction = self._peer(self.prev_rank), Direction.ACTIVATION
                     else:
-                        peer, direction = self.next_rank, Direction.GRAD
+                        peer, direction = self._peer(self.next_rank), Direction.GRAD
                     tag = message_tag(step, mb, direction, m, base=self.tag_base)
-                    data = await transport.recv(peer, tag=tag, timeout=timeout)  # type: ignore[arg-type]
+                    data = await transport.recv(peer, tag=tag, timeout=timeout)
                     stats.bytes_received += data.nbytes
                     received[mb] = data
                 elif kind is ActionKind.SEND_ACTIVATION or kind is ActionKind.SEND_GRAD:
                     if kind is ActionKind.SEND_ACTIVATION:
-                        peer, direction = self.next_rank, Direction.ACTIVATION
+                        peer, direction = self._peer(self.next_rank), Direction.ACTIVATION
                     else:
-                        peer, direction = self.prev_rank, Direction.GRAD
+                        peer, direction = self._peer(self.prev_rank), Direction.GRAD
                     tag = message_tag(step, mb, direction, m, base=self.tag_base)
                     payload = np.ascontiguousarray(outputs.pop(mb))
                     stats.bytes_sent += payload.nbytes
                     sends.append(asyncio.ensure_future(
-                        transport.send(peer, payload, tag=tag, timeout=timeout)))  # type: ignore[arg-type]
+                        transport.send(peer, payload, tag=tag, timeout=timeout)))
                     # let the send hand its bytes to the socket before the next compute
                     # holds the loop (forward/backward run synchronously)
                     await asyncio.sleep(0)
@@ -432,6 +433,9 @@ class PipelineParallel:
                         y, ctx, loss, grad = self._forward(mb, x, target)
                     stats.forward += time.perf_counter() - t0
                     if target is not None:
+                        if grad is None:
+                            raise PipelineError(f"micro-batch {mb}: the last stage computed "
+                                                "a loss but no loss gradient")
                         weight = len(target) / batch_rows
                         loss_total += weight * loss
                         loss_grads[mb] = grad * weight
@@ -470,6 +474,13 @@ class PipelineParallel:
             await _cancel_all(sends)
         return loss_total if self.is_last else None
 
+    def _peer(self, rank: int | None) -> int:
+        """``prev_rank`` / ``next_rank`` where the schedule needs it (None would be a bug)."""
+        if rank is None:
+            raise PipelineError(f"rank {self.rank} (stage {self.stage}): the schedule talks "
+                                "to a neighbouring stage this rank does not have")
+        return rank
+
     def _forward(self, mb: int, x: np.ndarray, target: np.ndarray | None
                  ) -> tuple[np.ndarray, Any, float, np.ndarray | None]:
         """Forward one micro-batch; on the last stage also the loss and its gradient."""
@@ -481,7 +492,11 @@ class PipelineParallel:
                 f"micro-batch {mb}: the last stage got {len(y)} activation rows for "
                 f"{len(target)} target rows; inputs and targets must have the same batch "
                 f"size")
-        loss, grad = self.loss_fn(y, target)  # type: ignore[misc]
+        loss_fn = self.loss_fn
+        if loss_fn is None:
+            raise PipelineError(f"rank {self.rank} (stage {self.stage}) got targets but has "
+                                "no loss_fn")
+        loss, grad = loss_fn(y, target)
         return y, ctx, float(loss), np.asarray(grad)
 
     async def _all_reduce_grads(self) -> None:
@@ -531,14 +546,14 @@ class PipelineParallel:
                 if micro is not None:
                     x = micro[mb]
                 else:
-                    x = await self.transport.recv(self.prev_rank, tag=tag,  # type: ignore[arg-type]
+                    x = await self.transport.recv(self._peer(self.prev_rank), tag=tag,
                                                   timeout=self.timeout)
                 y, _ = self.module.forward(x)
                 if self.is_last:
                     outputs.append(y)
                 else:
                     sends.append(asyncio.ensure_future(self.transport.send(
-                        self.next_rank, np.ascontiguousarray(y), tag=tag,  # type: ignore[arg-type]
+                        self._peer(self.next_rank), np.ascontiguousarray(y), tag=tag,
                         timeout=self.timeout)))
             await asyncio.gather(*sends)
         finally:

@@ -32,9 +32,14 @@ T = TypeVar("T")
 class GroupLike(Protocol):
     """The part of ``netdist.collectives.Group`` the parameter server relies on."""
 
-    transport: Transport
-    rank: int
-    world_size: int
+    @property
+    def transport(self) -> Transport: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
 
     @property
     def ranks(self) -> Sequence[int]: ...

@@ -50,7 +50,8 @@ PS_MAX_STALENESS_ENV = "NETDIST_PS_MAX_STALENESS"
 
 
 class _Stepper(Protocol):
-    bytes_sent: int
+    @property
+    def bytes_sent(self) -> int: ...
 
     async def step(self, grads: Sequence[np.ndarray], *,
                    out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]: ...

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Sequence
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -150,7 +150,8 @@ class ColocatedPS:
         if task is None:
             return await op
         try:
-            await asyncio.wait({op, task}, return_when=asyncio.FIRST_COMPLETED)
+            racers: set[asyncio.Future[Any]] = {op, task}
+            await asyncio.wait(racers, return_when=asyncio.FIRST_COMPLETED)
             if op.done() or not task.done():
                 return await op
             error = task.exception() if not task.cancelled() else None

@@ -342,7 +342,7 @@ class _ParameterServerAggregator:
 async def _ps_sync(group: Group, model: Sequential, config: DemoConfig) -> UpdatePath:
     from netdist.ps import ParameterServer
 
-    server = ParameterServer(group, timeout=config.timeout)  # type: ignore[arg-type]
+    server = ParameterServer(group, timeout=config.timeout)
     await server.broadcast_params([p.data for p in model.parameters()])
     optimizer, apply = _local_sgd(model, config)
     return UpdatePath(_ParameterServerAggregator(server, group.world_size), apply,
@@ -362,7 +362,7 @@ async def _ps_hook(group: Group, model: Sequential, config: DemoConfig) -> Updat
         from netdist.ps import demo_update_path
     except ImportError as exc:  # pragma: no cover - netdist.ps ships with netdist
         raise ConfigError(f"--aggregator {config.aggregator} needs netdist.ps: {exc}") from exc
-    hooks = await demo_update_path(config.aggregator, group, model, config)  # type: ignore[arg-type]
+    hooks = await demo_update_path(config.aggregator, group, model, config)
     return UpdatePath(hooks.aggregator, hooks.apply, group.rank, group.world_size,
                       group.rank == 0, close=hooks.close)
 
@@ -542,6 +542,7 @@ async def _train(group: Group, config: DemoConfig, dataset: Dataset, model: Sequ
         elif say:
             say(f"no checkpoint in {config.checkpoint_dir}; starting from scratch")
     resumed_from = step
+    total_steps = step + steps_per_epoch * (config.epochs - start_epoch) - skip
 
     if say:
         sizes = "-".join(str(s) for s in [dataset.num_features, *config.hidden,
@@ -556,8 +557,11 @@ async def _train(group: Group, config: DemoConfig, dataset: Dataset, model: Sequ
 
         if epoch < config.epochs and batch >= steps_per_epoch:
             epoch, batch = epoch + 1, 0
+        directory = config.checkpoint_dir
+        if directory is None:
+            raise ConfigError("checkpointing needs checkpoint_dir (DemoConfig validates this)")
         state = _checkpoint_state(model, path, step, epoch, batch, config)
-        result = await save(state, config.checkpoint_dir, group, step=step,  # type: ignore[arg-type]
+        result = await save(state, directory, group, step=step,
                             keep_last=config.keep_last, overwrite=True, timeout=config.timeout)
         if say:
             say(f"checkpoint: step {step} -> {result.path}")

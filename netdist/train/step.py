@@ -32,7 +32,7 @@ async def distributed_train_step(compute_gradients_fn: ComputeFn, apply_gradient
     if inspect.isawaitable(result):
         result = await result
     try:
-        loss, grads = result  # type: ignore[misc]
+        loss, grads = result
     except (TypeError, ValueError) as exc:
         raise TypeError("compute_gradients_fn must return (loss, grads)") from exc
     averaged = await aggregator.aggregate(list(grads))

@@ -27,7 +27,7 @@ import logging
 import socket
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from netdist.config import WireLimits
 from netdist.errors import (
@@ -219,7 +219,10 @@ class FrameConnection(asyncio.BufferedProtocol):
     # -- asyncio protocol callbacks ------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # a stream connection always gets a read/write transport; uvloop's is not an
+        # asyncio.Transport subclass, so this is a static-only narrowing (no isinstance)
+        stream = cast(asyncio.Transport, transport)
+        self.transport = stream
         now = self._loop.time()
         self.last_received = self.last_sent = now
         self._keeps_references = _loop_keeps_references(transport)
@@ -228,7 +231,7 @@ class FrameConnection(asyncio.BufferedProtocol):
             tune_socket(sock)
         # pause_writing whenever anything is buffered, resume_writing once it has all
         # gone to the kernel: that is the "caller's memory is free" signal senders wait on.
-        transport.set_write_buffer_limits(high=0, low=0)  # type: ignore[attr-defined]
+        stream.set_write_buffer_limits(high=0, low=0)
         if self.label == "?":
             self.label = self.peername()
         if self._on_made is not None:

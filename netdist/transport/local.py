@@ -53,7 +53,8 @@ async def create_local_tcp_group(n: int, **config_overrides: Any) -> list[TcpTra
     tasks: list[asyncio.Task[TcpTransport]] = [loop.create_task(TcpTransport.connect(
         DistributedConfig(rank=0, **settings), on_coordinator_ready=on_ready))]
     try:
-        await asyncio.wait([tasks[0], ready], return_when=asyncio.FIRST_COMPLETED)
+        first: list[asyncio.Future[Any]] = [tasks[0], ready]
+        await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
             await tasks[0]  # rank 0 failed before its coordinator was up: raise that
             raise RuntimeError("rank 0 connected without starting a coordinator")
@@ -61,9 +62,10 @@ async def create_local_tcp_group(n: int, **config_overrides: Any) -> list[TcpTra
         tasks.extend(loop.create_task(TcpTransport.connect(
             DistributedConfig(rank=rank, **settings))) for rank in range(1, n))
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception()]
-        if failed:
-            raise failed[0].exception()  # type: ignore[misc]
+        for task in tasks:
+            error = task.exception() if task.done() and not task.cancelled() else None
+            if error is not None:
+                raise error
         return [t.result() for t in tasks]
     except BaseException:
         for task in tasks:

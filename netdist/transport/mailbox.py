@@ -109,7 +109,7 @@ class PeerMailbox:
     def has_posted(self, tag: int) -> bool:
         """True if a ``recv`` is waiting on ``tag`` (the next frame lands in place)."""
         queue = self._posted.get(tag)
-        return bool(queue) and any(not entry.future.done() for entry in queue)
+        return queue is not None and any(not entry.future.done() for entry in queue)
 
     def claim(self, tag: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Landing:
         """Reserve the destination for the next frame on ``tag`` (header already decoded)."""
@@ -149,8 +149,8 @@ class PeerMailbox:
                 if not entry.future.done():
                     entry.future.set_exception(failure())
         self._posted.clear()
-        for queue in self._unexpected.values():
-            for future in queue:
+        for waiting in self._unexpected.values():
+            for future in waiting:
                 if not future.done():
                     future.set_exception(failure())
 

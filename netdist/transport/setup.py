@@ -33,7 +33,7 @@ async def init(config: DistributedConfig | None = None,
     is closed when the block exits, even by an exception or cancellation.
     """
     if config is None:
-        config = DistributedConfig.from_env(**overrides)
+        config = DistributedConfig.from_env(None, **overrides)
     elif overrides:
         config = config.replace(**overrides)
     transport = await TcpTransport.connect(config)

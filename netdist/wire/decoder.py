@@ -222,11 +222,11 @@ class FrameDecoder:
         """
         state = self._state
         if state == _PAYLOAD:
-            return self._dview[self._off:]  # type: ignore[index]
+            return self._landing_view()[self._off:]
         if state == _AWAIT_DEST:
             self._set_destination(None)
             if self._state == _PAYLOAD:
-                return self._dview[self._off:]  # type: ignore[index]
+                return self._landing_view()[self._off:]
         elif state == _FAILED:
             self._start = self._end = 0
             return self._mv
@@ -242,6 +242,14 @@ class FrameDecoder:
                 raise LocalProtocolError(
                     "decoder scratch buffer is full: call next_event() after buffer_updated()")
         return self._mv[end:]
+
+    def _landing_view(self) -> memoryview:
+        """The payload destination while in the payload state (set by ``_set_destination``)."""
+        dview = self._dview
+        if dview is None:
+            raise LocalProtocolError("decoder is receiving a payload but has no destination "
+                                     "view (internal state error)")
+        return dview
 
     def _make_room(self, need: int) -> None:
         """Move the unconsumed bytes to the front; grow scratch to ``need`` if needed.
@@ -265,7 +273,7 @@ class FrameDecoder:
         state = self._state
         if state == _PAYLOAD:
             off = self._off + nbytes
-            total = len(self._dview)  # type: ignore[arg-type]
+            total = len(self._landing_view())
             if nbytes < 0 or off > total:
                 raise LocalProtocolError(
                     f"buffer_updated({nbytes}) overruns the payload destination "
@@ -334,11 +342,11 @@ class FrameDecoder:
         """
         while True:
             event = self.next_event()
-            if type(event) is DataStart:
+            if isinstance(event, DataStart):
                 continue
-            if type(event) is DataEnd:
+            if isinstance(event, DataEnd):
                 return event.header, event.payload
-            return event  # type: ignore[return-value]
+            return event
 
     def _step(self) -> ControlFrame | DataStart | DataEnd | NeedData:
         state = self._state
@@ -379,7 +387,11 @@ class FrameDecoder:
                 return DataStart(header)
             return self._parse_control(self._mv[hstart:hstart + hlen])
         if state == _PAYLOAD_DONE:
-            event = DataEnd(self._header, self._payload)  # type: ignore[arg-type]
+            landed_header, payload = self._header, self._payload
+            if landed_header is None or payload is None:
+                raise LocalProtocolError("decoder finished a payload without its header or "
+                                         "destination (internal state error)")
+            event = DataEnd(landed_header, payload)
             self._header = self._payload = None
             self._state = _FRAME
             return event
@@ -502,13 +514,16 @@ class FrameDecoder:
 
     def _set_destination(self, buffer: memoryview | np.ndarray | None) -> None:
         header = self._header
+        if header is None:
+            raise LocalProtocolError("decoder awaits a payload destination without a decoded "
+                                     "data header (internal state error)")
         nbytes = self._plen
         if buffer is None:
             try:
-                result = np.empty(header.shape, header.dtype)  # type: ignore[union-attr]
+                result = np.empty(header.shape, header.dtype)
             except MemoryError:
                 raise self._fail(f"cannot allocate {nbytes} bytes for the payload of a "
-                                 f"data frame (tag {header.tag})") from None  # type: ignore[union-attr]
+                                 f"data frame (tag {header.tag})") from None
             view = payload_view(result)
         elif isinstance(buffer, np.ndarray):
             flags = buffer.flags
@@ -520,7 +535,7 @@ class FrameDecoder:
                                          f"but the frame carries {nbytes}")
             result = buffer
             try:
-                view = memoryview(buffer).cast("B")
+                view = buffer.data.cast("B")
             except (TypeError, ValueError, BufferError):  # no buffer format (bfloat16)
                 view = payload_view(buffer)
         else:

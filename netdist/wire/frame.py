@@ -165,9 +165,9 @@ def payload_view(array: np.ndarray) -> memoryview:
     if not array.flags.c_contiguous:
         raise LocalProtocolError("payload_view needs a C-contiguous array")
     try:
-        return memoryview(array).cast("B")
+        return array.data.cast("B")
     except (TypeError, ValueError, BufferError):  # no buffer format (bfloat16)
-        return memoryview(array.reshape(-1).view(np.uint8))
+        return array.reshape(-1).view(np.uint8).data
 
 
 def encode_prefix(kind: FrameKind | int, header_len: int, payload_len: int) -> bytes:

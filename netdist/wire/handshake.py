@@ -229,7 +229,7 @@ class ClientHandshake:
         if info is not None:
             role, rank = info.get("role"), info.get("rank")
             if role in ROLES and type(rank) is int:
-                return _describe(role, rank)  # type: ignore[arg-type]
+                return _describe(role, rank)
         if self.expect_role == "coordinator":
             return "coordinator"
         return _describe("rank", self.expect_rank)
@@ -271,9 +271,9 @@ class ClientHandshake:
             raise LocalProtocolError("ClientHandshake.receive() before initiate()")
         if state in ("done", "failed"):
             self._state = "failed"
-            kind = frame.kind.name if isinstance(frame, ControlFrame) else "data"
+            what = frame.kind.name if isinstance(frame, ControlFrame) else "data"
             return HandshakeStep(None, True, AuthenticationError(
-                f"unexpected {kind} frame from {self._peer_desc()}{_at(self.peer_label)} "
+                f"unexpected {what} frame from {self._peer_desc()}{_at(self.peer_label)} "
                 "after the handshake ended"), self._peer_rank())
         if not isinstance(frame, ControlFrame):
             return self._reject("unexpected data frame during the handshake")
@@ -367,10 +367,10 @@ class ServerHandshake:
         state = self._state
         if state in ("done", "failed"):
             self._state = "failed"
-            kind = frame.kind.name if isinstance(frame, ControlFrame) else "data"
+            what = frame.kind.name if isinstance(frame, ControlFrame) else "data"
             src = f" from {self.peer_label}" if self.peer_label else ""
             return HandshakeStep(None, True, AuthenticationError(
-                f"unexpected {kind} frame{src} after the handshake ended"), self._peer_rank())
+                f"unexpected {what} frame{src} after the handshake ended"), self._peer_rank())
         if not isinstance(frame, ControlFrame):
             return self._reject("unexpected data frame during the handshake")
         kind = frame.kind
@@ -408,21 +408,29 @@ class ServerHandshake:
             "proof": proof,
         }), False, None, rank)
 
+    def _hello(self) -> dict[str, Any]:
+        """The accepted HELLO's fields (only called after ``_on_hello`` stored them)."""
+        peer = self._peer
+        if peer is None:
+            raise LocalProtocolError("ServerHandshake: no HELLO accepted yet (internal "
+                                     "state error)")
+        return peer
+
     def _params(self) -> dict[str, Any]:
-        me, peer = self.me, self._peer
+        me, peer = self.me, self._hello()
         return dict(version=PROTOCOL_VERSION, job_id=me.job_id, world_size=me.world_size,
-                    client_rank=peer["rank"], client_role=peer["role"],  # type: ignore[index]
+                    client_rank=peer["rank"], client_role=peer["role"],
                     server_rank=me.rank, server_role=me.role,
-                    client_nonce=peer["nonce"], server_nonce=self._nonce)  # type: ignore[index]
+                    client_nonce=peer["nonce"], server_nonce=self._nonce)
 
     def _on_auth(self, fields: dict[str, Any]) -> HandshakeStep:
         proof = fields.get("proof")
         expected = compute_proof(self.me.key, mac_input(PROOF_BY_CONNECTOR, **self._params()))
         if type(proof) is not bytes or not hmac.compare_digest(expected, proof):
             return self._reject(TOKEN_MISMATCH)
-        rank = self._peer_rank()
+        rank: int = self._hello()["rank"]
         if self.accept_rank is not None:
-            veto = self.accept_rank(rank)  # type: ignore[arg-type]
+            veto = self.accept_rank(rank)
             if veto is not None:
                 return self._reject(str(veto))
         self._state = "done"
