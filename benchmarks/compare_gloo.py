@@ -1,0 +1,330 @@
+"""netdist collectives against torch.distributed's Gloo backend, side by side, one run.
+
+For each world size, the same collectives and sizes run first through Gloo (when torch
+is installed; it is never a netdist dependency) and then through netdist's ``Group``
+over ``TcpTransport``, each rank a separate process on 127.0.0.1 started by
+``netdist.launcher.launch``. Timing is identical for both: a barrier, then one call, per
+iteration; an iteration's time is the slowest rank's; the median over iterations is
+reported, and the whole measurement is repeated ``--repeats`` times (median of medians,
+because other processes share the cores). busbw uses nccl-tests' factors. The raw
+loopback ceiling (blocking sockets, 64 MiB messages, one way and both ways at once) is
+measured in the same run, so netdist's n=2 all_reduce busbw can be quoted as a fraction
+of it. (An n=2 ring all-reduce makes each rank send and receive N bytes, the same
+movement as the both-ways measurement; on a CPU-bound loopback it cannot exceed about
+half of the one-way figure.)
+
+    python benchmarks/compare_gloo.py                      # defaults below
+    python benchmarks/compare_gloo.py --world-sizes 2,4 --ops all_reduce \\
+        --sizes 8,1M,16M,64M,256M --iters 10 --repeats 3 --json out.json
+
+Every child is bounded by ``--child-timeout``; loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.abspath(__file__)
+REPO = os.path.dirname(os.path.dirname(HERE))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
+
+
+def _factor(op: str, n: int) -> float:
+    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+            "all_gather": (n - 1) / n, "broadcast": 1.0}.get(op, 0.0)
+
+
+def _parse_sizes(text: str) -> list[int]:
+    from netdist.collectives.bench import parse_sizes
+
+    return parse_sizes(text)
+
+
+# -- Gloo worker ------------------------------------------------------------------------
+
+def _gloo_worker(spec: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    host, port = os.environ["NETDIST_COORDINATOR"].rsplit(":", 1)
+    rank, n = int(os.environ["NETDIST_RANK"]), int(os.environ["NETDIST_WORLD_SIZE"])
+    # torch's TCPStore listens on the launcher's free coordinator port (netdist is not
+    # running in these processes)
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank,
+                            world_size=n)
+    results = []
+    for op in spec["ops"]:
+        for size in ([0] if op == "barrier" else spec["sizes"]):
+            count = max(1, size // 4)
+            if op in ("reduce_scatter", "all_gather"):
+                count = max(n, count - count % n)
+            full = torch.zeros(count, dtype=torch.float32)
+            part = torch.zeros(count // n, dtype=torch.float32)
+
+            def call() -> None:
+                if op == "all_reduce":
+                    dist.all_reduce(full)
+                elif op == "reduce_scatter":
+                    dist.reduce_scatter_tensor(part, full)
+                elif op == "all_gather":
+                    dist.all_gather_into_tensor(full, part)
+                elif op == "broadcast":
+                    dist.broadcast(full, 0)
+                else:
+                    dist.barrier()
+
+            try:
+                times = _time_iterations(call, dist.barrier, spec["iters"], spec["warmup"])
+            except (RuntimeError, NotImplementedError) as exc:  # op unsupported by Gloo
+                results.append({"op": op, "size": count * 4, "error": str(exc)[:120]})
+                continue
+            worst = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            results.append({"op": op, "size": 0 if op == "barrier" else count * 4,
+                            "median_s": float(np.median(worst.numpy()))})
+    if rank == 0:
+        with open(spec["out"], "w", encoding="utf-8") as fh:
+            json.dump(results, fh)
+    dist.destroy_process_group()
+
+
+def _time_iterations(call: Any, barrier: Any, iters: int, warmup: int) -> list[float]:
+    times = []
+    for i in range(warmup + iters):
+        barrier()
+        started = time.perf_counter()
+        call()
+        elapsed = time.perf_counter() - started
+        if i >= warmup:
+            times.append(elapsed)
+    return times
+
+
+# -- netdist worker ---------------------------------------------------------------------
+
+def _netdist_worker(spec: dict[str, Any]) -> None:
+    from netdist.cli.loop import run
+    from netdist.collectives import Group
+    from netdist.collectives.bench import run_benchmark
+    from netdist.transport.setup import init
+
+    async def main() -> None:
+        async with init() as transport:
+            group = Group(transport)
+            results = []
+            async with group:
+                for op in spec["ops"]:
+                    rows = await run_benchmark(group, op, spec["sizes"], iters=spec["iters"],
+                                               warmup=spec["warmup"], check=spec["check"])
+                    results.extend({"op": r.op, "size": r.size,
+                                    "median_s": r.time_median_us / 1e6, "check": r.check}
+                                   for r in rows)
+            if transport.rank == 0:
+                with open(spec["out"], "w", encoding="utf-8") as fh:
+                    json.dump(results, fh)
+
+    run(main())
+
+
+# -- raw loopback ceiling ---------------------------------------------------------------
+
+def _raw_ceiling(size: int = 64 * 1024 * 1024, count: int = 8,
+                 both_ways: bool = False) -> float:
+    """Blocking-socket throughput (GB/s, per direction) between two processes.
+
+    One way: a sender ``sendall``s 64 MiB messages, a receiver ``recv_into``s them. Both
+    ways: each process sends (in a thread) while it receives, the data movement of an
+    n=2 ring all-reduce (each rank sends and receives ``N``), so busbw can be compared.
+    """
+    import threading
+
+    def receive(conn: socket.socket, view: memoryview) -> None:
+        got = 0
+        while got < size:
+            got += conn.recv_into(view[got:])
+
+    def exchange(conn: socket.socket, payload: bytes, view: memoryview) -> None:
+        sender = None
+        if both_ways:
+            sender = threading.Thread(target=conn.sendall, args=(payload,))
+            sender.start()
+        receive(conn, view)
+        if sender is not None:
+            sender.join()
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    pid = os.fork()
+    if pid == 0:  # child: the other end
+        try:
+            listener.close()
+            sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            payload = bytes(size)
+            view = memoryview(bytearray(size))
+            for _ in range(count + 2):
+                if both_ways:
+                    exchange(sock, payload, view)
+                else:
+                    sock.sendall(payload)
+                sock.recv(1)
+        finally:
+            os._exit(0)
+    conn, _ = listener.accept()
+    conn.settimeout(120)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload = bytes(size)
+    view = memoryview(bytearray(size))
+    times = []
+    for i in range(count + 2):
+        started = time.perf_counter()
+        exchange(conn, payload, view)
+        if i >= 2:
+            times.append(time.perf_counter() - started)
+        conn.sendall(b"k")
+    os.waitpid(pid, 0)
+    conn.close()
+    listener.close()
+    return size / statistics.median(times) / 1e9
+
+
+# -- orchestration ----------------------------------------------------------------------
+
+def _run_backend(backend: str, n: int, spec: dict[str, Any], timeout: float) -> list[dict]:
+    from netdist.launcher import launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = dict(spec, out=os.path.join(tmp, "rows.json"))
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w", encoding="utf-8") as fh:
+            json.dump(spec, fh)
+        code = launch([sys.executable, HERE, "--worker", backend, spec_path], n,
+                      timeout=timeout, env={"PYTHONPATH": REPO})
+        if code != 0 or not os.path.exists(spec["out"]):
+            print(f"# {backend} n={n}: workers failed (exit {code})", file=sys.stderr)
+            return []
+        with open(spec["out"], encoding="utf-8") as fh:
+            return json.load(fh)
+
+
+def _median_rows(runs: list[list[dict]]) -> dict[tuple[str, int], dict[str, Any]]:
+    merged: dict[tuple[str, int], dict[str, Any]] = {}
+    for rows in runs:
+        for row in rows:
+            key = (row["op"], row["size"])
+            entry = merged.setdefault(key, {"times": [], "checks": set(), "error": None})
+            if "median_s" in row:
+                entry["times"].append(row["median_s"])
+            if "check" in row:
+                entry["checks"].add(row["check"])
+            if "error" in row:
+                entry["error"] = row["error"]
+    for entry in merged.values():
+        entry["median_s"] = statistics.median(entry["times"]) if entry["times"] else None
+    return merged
+
+
+def _fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e6:.0f} us" if seconds < 1e-2 else f"{seconds * 1e3:.1f} ms"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-sizes", default="2,4")
+    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--sizes", default="8,1M,16M,64M,256M")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="independent runs per backend; medians are reported")
+    parser.add_argument("--child-timeout", type=float, default=900.0)
+    parser.add_argument("--no-check", dest="check", action="store_false")
+    parser.add_argument("--json", default=None, metavar="FILE")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        backend, spec_path = args.worker
+        with open(spec_path, encoding="utf-8") as fh:
+            spec = json.load(fh)
+        (_gloo_worker if backend == "gloo" else _netdist_worker)(spec)
+        return 0
+
+    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    unknown = set(ops) - set(OPS)
+    if unknown:
+        parser.error(f"unknown ops {sorted(unknown)}")
+    sizes = _parse_sizes(args.sizes)
+    have_torch = importlib.util.find_spec("torch") is not None
+    if not have_torch:
+        print("# torch is not installed: Gloo columns are skipped "
+              "(pip install torch to compare)", flush=True)
+    ceiling = _raw_ceiling()
+    ceiling2 = _raw_ceiling(both_ways=True)
+    print(f"# raw loopback ceiling, blocking sockets, 64 MiB messages: one way "
+          f"{ceiling:.2f} GB/s; both ways at once {ceiling2:.2f} GB/s per direction",
+          flush=True)
+    spec = {"ops": ops, "sizes": sizes, "iters": args.iters, "warmup": args.warmup,
+            "check": args.check}
+    report: list[dict[str, Any]] = []
+    for n in (int(x) for x in args.world_sizes.split(",")):
+        gloo_runs, nd_runs = [], []
+        for _ in range(args.repeats):  # interleave so both see the same background load
+            if have_torch:
+                gloo_runs.append(_run_backend("gloo", n, spec, args.child_timeout))
+            nd_runs.append(_run_backend("netdist", n, spec, args.child_timeout))
+        gloo = _median_rows(gloo_runs)
+        nd = _median_rows(nd_runs)
+        print(f"\n# world size {n}: median of {args.repeats} runs x {args.iters} iterations")
+        print(f"# {'op':<15}{'size':>8} {'gloo time':>11} {'netdist time':>13} "
+              f"{'gloo busbw':>11} {'netdist busbw':>14} {'speedup':>8}  check")
+        for key in sorted(nd, key=lambda k: (ops.index(k[0]), k[1])):
+            op, size = key
+            t_nd = nd[key]["median_s"]
+            g = gloo.get(key, {})
+            t_g = g.get("median_s")
+            factor = _factor(op, n)
+            bw_nd = size / t_nd / 1e9 * factor if t_nd and size else None
+            bw_g = size / t_g / 1e9 * factor if t_g and size else None
+            speedup = t_g / t_nd if t_g and t_nd else None
+            check = ",".join(sorted(nd[key]["checks"])) or "-"
+            from netdist.collectives.bench import format_size
+            print(f"  {op:<15}{format_size(size):>8} "
+                  f"{(_fmt_time(t_g) if not g.get('error') else 'unsupported'):>11} "
+                  f"{_fmt_time(t_nd):>13} "
+                  f"{'-' if bw_g is None else f'{bw_g:.3f}':>11} "
+                  f"{'-' if bw_nd is None else f'{bw_nd:.3f}':>14} "
+                  f"{'-' if speedup is None else f'{speedup:.2f}x':>8}  {check}")
+            entry = {"world_size": n, "op": op, "size": size, "gloo_s": t_g,
+                     "netdist_s": t_nd, "gloo_busbw": bw_g, "netdist_busbw": bw_nd,
+                     "speedup": speedup, "check": check}
+            report.append(entry)
+            if n == 2 and op == "all_reduce" and bw_nd and size >= 16 * 1024 * 1024:
+                print(f"  {'':<23}netdist busbw = {bw_nd / ceiling:.0%} of the one-way "
+                      f"ceiling, {bw_nd / ceiling2:.0%} of the both-ways ceiling")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"ceiling_one_way_gbps": ceiling, "ceiling_both_ways_gbps": ceiling2,
+                       "rows": report}, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,860 @@
+"""``Group``: collectives over a transport, subgroups, tags and async handles.
+
+A group is an ordered set of transport ranks. Every rank of the group must call the same
+collectives in the same order (as with NCCL and Gloo); each call takes the next tag from
+a per-group counter, so calls issued in the same order match up even when several are in
+flight (``async_op=True``).
+
+Tags. Application tags below ``2**32`` stay free at the transport. Group traffic uses
+tags with bit 62 set::
+
+    bit 62      1 (netdist group traffic)
+    bits 22-61  group id (40 bits; a hash of how the group was created)
+    bit 21      0 collective, 1 point-to-point
+    bits 4-20   collective sequence number (wraps; FIFO order per tag keeps a reused tag
+                safe because every collective consumes exactly the messages it sends)
+    bits 0-3    sub-tag within one collective
+    bits 0-19   point-to-point: the application's tag (< 2**20)
+
+Group ids are deterministic: the n-th ``Group(transport)`` created on a transport and the
+k-th child created by ``new_group`` hash to the same id on every rank, provided every rank
+creates groups in the same order.
+
+Algorithms (``small_message_bytes``, default 1 MiB, picks between them; every rank must
+use the same setting):
+
+- ``all_reduce``: up to the threshold, recursive doubling (``log2 n`` rounds, with the fold
+  for non-powers of two); above it, a pipelined ring reduce-scatter + all-gather, so each
+  rank sends and receives ``2(n-1)/n`` of the data. Each ring step's chunk is cut into
+  about ``PIECES`` segments of ``MIN_SEGMENT_BYTES .. segment_bytes`` (default 4 MiB):
+  segments amortise Python's per-message cost, and several per step let step ``t + 1``
+  start before step ``t`` has finished.
+- ``reduce_scatter`` / ``all_gather``: ring above the threshold; below it the all-reduce
+  (then the own chunk is kept) and Bruck's all-gather.
+- ``broadcast``: binomial tree below, pipelined chain above. ``reduce``: binomial tree
+  below, ring reduce-scatter + direct gather to the root above.
+
+Every rank ends an all-reduce with bitwise-identical results: the ring reduces each chunk
+along one fixed chain and copies the result, and recursive doubling combines operands
+lower rank first everywhere.
+
+Reduction semantics. ``SUM``/``PROD`` wrap around on integer overflow (NumPy semantics).
+``MEAN`` sums, then divides once by the group size; it is defined for floating dtypes only
+(``float16/32/64``, ``bfloat16``) and raises ``TypeError`` for integers and bool, since an
+integer mean would silently truncate. For ``bool``: ``SUM`` and ``MAX`` are logical or,
+``PROD`` and ``MIN`` logical and.
+
+Failure. Each collective has one deadline, ``timeout`` (default: the group's, which
+defaults to the transport's). A lost peer raises ``PeerLostError``, an expired deadline
+``NetdistTimeoutError``, mismatched arguments across ranks ``CollectiveMismatchError``;
+each message names the operation, the group and the peer (and, after a timeout or a lost
+peer, every member the transport already knows is gone). A collective that failed, timed
+out or was cancelled leaves the group's tag streams out of step, and on TCP the
+connection to a peer whose frame was half received is dropped: treat the group as
+broken. Cancelling or timing out never leaves a task behind: the collective's internal
+tasks are cancelled and awaited before the error propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import msgpack
+import numpy as np
+
+from netdist.collectives.channel import Channel, CollectiveMismatchError, ScratchPool
+from netdist.collectives.objects import decode_object, encode_object
+from netdist.collectives.ring import (
+    DEFAULT_DEPTH,
+    chain_broadcast,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
+from netdist.collectives.plan import offsets_from_sizes
+from netdist.collectives.small import (
+    bruck_all_gather,
+    bruck_all_gather_blobs,
+    dissemination_barrier,
+    doubling_all_reduce,
+    gather_tasks,
+    linear_gather,
+    linear_scatter,
+    tree_broadcast,
+    tree_broadcast_blob,
+    tree_reduce,
+)
+from netdist.collectives.work import Work
+from netdist.errors import (
+    CollectiveError,
+    ConnectError,
+    LocalProtocolError,
+    NetdistTimeoutError,
+    NotInGroupError,
+    PeerLostError,
+    TransportClosedError,
+)
+from netdist.sharding import chunk_bounds
+from netdist.transport.base import Transport
+from netdist.types import WIRE_DTYPES, ReduceOp, dtype_to_wire
+
+__all__ = [
+    "Group",
+    "DEFAULT_SMALL_MESSAGE_BYTES",
+    "DEFAULT_SEGMENT_BYTES",
+    "P2P_TAG_LIMIT",
+]
+
+DEFAULT_SMALL_MESSAGE_BYTES = 1024 * 1024
+"""Messages up to this many bytes use the latency-optimal algorithms."""
+
+DEFAULT_SEGMENT_BYTES = 4 * 1024 * 1024
+"""Largest pipeline segment of the ring and chain algorithms."""
+
+PIECES = 4
+"""Each ring step's chunk is cut into about this many segments (a chain broadcast into
+twice as many), within ``MIN_SEGMENT_BYTES .. segment_bytes``."""
+
+MIN_SEGMENT_BYTES = 256 * 1024
+"""Smallest segment the ring and chain algorithms cut a mid-sized message into."""
+
+DEFAULT_TIMEOUT = 60.0
+"""Used when neither the group nor the transport names a timeout."""
+
+P2P_TAG_LIMIT = 2**20
+"""Group point-to-point tags must be below this."""
+
+_TAG_FLAG = 1 << 62
+_GID_SHIFT = 22
+_GID_LIMIT = (1 << 40) - 1  # the all-ones id is excluded: it would reach MAX_TAG
+_P2P_BIT = 1 << 21
+_SEQ_SHIFT = 4
+_SEQ_MASK = (1 << 17) - 1
+_ROOT_COUNTER_ATTR = "_netdist_groups_created"
+_PROBE_TAG = P2P_TAG_LIMIT  # just above the application's p2p tags: never sent on
+_PROBE_SECONDS = 0.02
+
+_FLOAT_DTYPES = frozenset(WIRE_DTYPES[name] for name in
+                          ("float16", "float32", "float64", "bfloat16") if name in WIRE_DTYPES)
+_WIRE_DTYPE_SET = frozenset(WIRE_DTYPES.values())
+
+T = TypeVar("T")
+
+
+def _group_id(*parts: object) -> int:
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % _GID_LIMIT
+
+
+def _as_op(op: ReduceOp | str) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str):
+        try:
+            return ReduceOp[op.upper()]
+        except KeyError:
+            pass
+    names = ", ".join(o.name for o in ReduceOp)
+    raise ValueError(f"unknown reduce op {op!r} (expected one of {names})")
+
+
+def _check_array(array: Any, what: str, *, writeable: bool = False) -> np.ndarray:
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{what} needs a numpy.ndarray, got {type(array).__name__}")
+    if array.dtype not in _WIRE_DTYPE_SET:  # fast path: a set lookup, no name strings
+        name = dtype_to_wire(array.dtype)  # raises TypeError for unsupported dtypes
+        raise TypeError(f"{what}: dtype {array.dtype.str} is big-endian; pass "
+                        f"array.astype('{WIRE_DTYPES[name].str}')")
+    if writeable and not array.flags.writeable:
+        raise ValueError(f"{what} works in place but the array is read-only")
+    return array
+
+
+def _timeout_value(timeout: float | None, what: str) -> float | None:
+    if timeout is None:
+        return None
+    if not timeout > 0:
+        raise ValueError(f"{what} must be > 0 seconds, got {timeout}")
+    return float(timeout)
+
+
+def _transport_timeout(transport: Transport) -> float:
+    value = getattr(transport, "timeout", None)
+    if value is None:
+        config = getattr(transport, "config", None)
+        value = getattr(config, "timeout", None)
+    return float(value) if value else DEFAULT_TIMEOUT
+
+
+class Group:
+    """Collectives among an ordered set of ranks of one transport.
+
+    ``Group(transport)`` is the world group (every rank of the transport, in rank
+    order); ``group.new_group(ranks)`` makes subgroups. Use as an async context manager,
+    or call ``aclose()``, to cancel collectives still running from ``async_op=True``.
+    The group does not own the transport and never closes it.
+    """
+
+    def __init__(self, transport: Transport, timeout: float | None = None, *,
+                 small_message_bytes: int = DEFAULT_SMALL_MESSAGE_BYTES,
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                 pipeline_depth: int = DEFAULT_DEPTH) -> None:
+        if not isinstance(transport, Transport):
+            raise TypeError(f"Group needs a Transport, got {type(transport).__name__}")
+        if not isinstance(small_message_bytes, int) or small_message_bytes < 0:
+            raise ValueError(f"small_message_bytes must be an int >= 0, got {small_message_bytes!r}")
+        if not isinstance(segment_bytes, int) or segment_bytes < 1:
+            raise ValueError(f"segment_bytes must be an int >= 1, got {segment_bytes!r}")
+        if not isinstance(pipeline_depth, int) or pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth must be an int >= 1, got {pipeline_depth!r}")
+        timeout = _timeout_value(timeout, "timeout")
+        created = getattr(transport, _ROOT_COUNTER_ATTR, 0)
+        try:
+            setattr(transport, _ROOT_COUNTER_ATTR, created + 1)
+        except AttributeError:  # a transport with __slots__: only one root group is safe
+            pass
+        self._setup(transport, tuple(range(transport.world_size)),
+                    _group_id("root", created),
+                    _transport_timeout(transport) if timeout is None else timeout,
+                    small_message_bytes, segment_bytes, pipeline_depth)
+
+    def _setup(self, transport: Transport, ranks: tuple[int, ...], gid: int, timeout: float,
+               small_message_bytes: int, segment_bytes: int, pipeline_depth: int) -> None:
+        self._transport = transport
+        self._ranks = ranks
+        self._rank = ranks.index(transport.rank) if transport.rank in ranks else -1
+        self._gid = gid
+        self._tag_base = _TAG_FLAG | (gid << _GID_SHIFT)
+        self._timeout = timeout
+        self.small_message_bytes = small_message_bytes
+        """Messages up to this size use the latency-optimal algorithms."""
+        self.segment_bytes = segment_bytes
+        """Largest pipeline segment of the ring and chain algorithms."""
+        self.pipeline_depth = pipeline_depth
+        """Scratch segments the in-place ring all-reduce rotates through."""
+        self._seq = 0
+        self._plans: dict[tuple[Any, ...], Any] = {}
+        self._scratch = ScratchPool()
+        self._children = 0
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self._subgroups: list[Group] = []
+        self._closed = False
+
+    # -- identity ------------------------------------------------------------------------
+
+    @property
+    def transport(self) -> Transport:
+        return self._transport
+
+    @property
+    def rank(self) -> int:
+        """This process's rank within the group; -1 when it is not a member."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self._ranks)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Transport ranks of the members, in group order."""
+        return self._ranks
+
+    @property
+    def is_member(self) -> bool:
+        return self._rank >= 0
+
+    @property
+    def timeout(self) -> float:
+        """Default deadline, in seconds, of each collective."""
+        return self._timeout
+
+    @property
+    def group_id(self) -> int:
+        return self._gid
+
+    def __repr__(self) -> str:
+        return (f"<Group {self._gid:#x} ranks={list(self._ranks)} rank={self._rank}"
+                f"{' closed' if self._closed else ''}>")
+
+    def _describe(self) -> str:
+        return (f"group {self._gid:#x} (group rank {self._rank} of {self.world_size}, "
+                f"transport rank {self._transport.rank})")
+
+    # -- subgroups -----------------------------------------------------------------------
+
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        """Make a subgroup of the given *group* ranks, in the given order.
+
+        Every member of this group must call ``new_group`` with the same ranks in the same
+        order (even ranks that are not in the subgroup: it advances the counter that makes
+        group ids agree). Ranks outside the subgroup get a group with ``is_member`` False
+        whose collectives raise ``NotInGroupError``.
+        """
+        self._check_member("new_group")
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+            raise TypeError(f"new_group needs a sequence of ranks, got {type(ranks).__name__}")
+        members = []
+        for r in ranks:
+            if not isinstance(r, (int, np.integer)) or isinstance(r, bool):
+                raise TypeError(f"new_group ranks must be ints, got {r!r}")
+            if not 0 <= r < self.world_size:
+                raise ValueError(f"new_group: rank {r} is outside 0..{self.world_size - 1}")
+            members.append(int(r))
+        if not members:
+            raise ValueError("new_group needs at least one rank")
+        if len(set(members)) != len(members):
+            dups = sorted({r for r in members if members.count(r) > 1})
+            raise ValueError(f"new_group: duplicate ranks {dups} in {members}")
+        index = self._children
+        self._children += 1
+        child = Group.__new__(Group)
+        child._setup(self._transport, tuple(self._ranks[r] for r in members),
+                     _group_id("child", self._gid, index, tuple(members)), self._timeout,
+                     self.small_message_bytes, self.segment_bytes, self.pipeline_depth)
+        self._subgroups.append(child)
+        return child
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Cancel collectives still running from ``async_op=True`` (this group and its
+        subgroups) and wait for them to finish. Idempotent; the transport stays open."""
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for child in self._subgroups:
+            await child.aclose()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._scratch.clear()
+
+    def close(self) -> None:
+        """Cancel outstanding work without waiting (prefer ``aclose``)."""
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        for child in self._subgroups:
+            child.close()
+
+    async def __aenter__(self) -> Group:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _check_member(self, op: str) -> None:
+        if self._rank < 0:
+            raise NotInGroupError(
+                f"{op}: transport rank {self._transport.rank} is not a member of group "
+                f"{self._gid:#x} (transport ranks {list(self._ranks)})")
+        if self._closed:
+            raise CollectiveError(f"{op}: {self._describe()} is closed")
+
+    def _next_tag(self) -> int:
+        tag = self._tag_base | (self._seq << _SEQ_SHIFT)
+        self._seq = (self._seq + 1) & _SEQ_MASK
+        return tag
+
+    def _peer(self, peer: int, what: str) -> int:
+        if not isinstance(peer, (int, np.integer)) or isinstance(peer, bool):
+            raise TypeError(f"{what} must be an int group rank, got {type(peer).__name__}")
+        if not 0 <= peer < self.world_size:
+            raise ValueError(f"{what} {peer} is outside 0..{self.world_size - 1}")
+        return int(peer)
+
+    def _group_rank_of(self, transport_rank: int) -> str:
+        if transport_rank in self._ranks:
+            return f"group rank {self._ranks.index(transport_rank)} (transport rank {transport_rank})"
+        return f"transport rank {transport_rank}"
+
+    async def _submit(self, op: str, body: Callable[[Channel], Awaitable[T]],
+                      timeout: float | None, async_op: bool) -> T | Work:
+        """Allocate the next tag now (issue order), then run ``body`` or hand out a Work."""
+        deadline = _timeout_value(timeout, "timeout")
+        chan = Channel(self._transport, self._ranks, self._rank, self._next_tag(),
+                       self._timeout if deadline is None else deadline, op, self._plans,
+                       self._scratch)
+        coro = self._run(chan, body)
+        if not async_op:
+            return await coro
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._forget)
+        return Work(task, op)
+
+    def _forget(self, task: asyncio.Future[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: the Work handle re-raises it when awaited
+
+    async def _run(self, chan: Channel, body: Callable[[Channel], Awaitable[T]]) -> T:
+        """Run one collective under its deadline, adding context to transport errors."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            async with asyncio.timeout(chan.timeout):
+                return await body(chan)
+        except NetdistTimeoutError as exc:
+            raise NetdistTimeoutError(f"{chan.op} on {self._describe()}: {exc}") from exc
+        except TimeoutError:
+            elapsed = loop.time() - started
+            waiting = ("" if chan.waiting_on < 0 else
+                       f", waiting for {self._group_rank_of(self._ranks[chan.waiting_on])}")
+            lost = await self._lost_peers()
+            raise NetdistTimeoutError(
+                f"{chan.op} on {self._describe()} timed out after {elapsed:.2f}s"
+                f"{waiting}{'; ' + '; '.join(lost) if lost else ''}") from None
+        except PeerLostError as exc:
+            # a peer that left because *it* lost someone points at the real casualty:
+            # name every member the transport knows is gone
+            others = await self._lost_peers(exclude=exc.rank)
+            raise PeerLostError(
+                exc.rank, f"{chan.op} on {self._describe()}: lost "
+                f"{self._group_rank_of(exc.rank)}: {exc}"
+                f"{'; also ' + '; '.join(others) if others else ''}") from exc
+        except ConnectError as exc:  # a connection closed under a p2p send: peer gone
+            if chan.waiting_on < 0:
+                raise ConnectError(f"{chan.op} on {self._describe()}: {exc}") from exc
+            peer = self._ranks[chan.waiting_on]
+            raise PeerLostError(peer, f"{chan.op} on {self._describe()}: lost "
+                                f"{self._group_rank_of(peer)}: {exc}") from exc
+        except TransportClosedError as exc:
+            raise TransportClosedError(f"{chan.op} on {self._describe()}: {exc}") from exc
+        except LocalProtocolError as exc:
+            raise CollectiveMismatchError(
+                f"{chan.op} on {self._describe()}: {exc}; every rank must pass the same "
+                "shape and dtype") from exc
+
+    async def _lost_peers(self, exclude: int = -1) -> list[str]:
+        """Which members the transport already knows are gone (for timeout messages).
+
+        A receive on a tag nobody sends on fails at once with ``PeerLostError`` for a
+        lost peer and simply times out (after ``_PROBE_SECONDS``) for a live one.
+        """
+        probe_tag = self._tag_base | _P2P_BIT | _PROBE_TAG
+
+        async def probe(peer: int) -> str | None:
+            try:
+                await self._transport.recv(peer, tag=probe_tag, timeout=_PROBE_SECONDS)
+            except PeerLostError as exc:
+                return f"{self._group_rank_of(peer)} is lost: {exc}"
+            except Exception:  # noqa: BLE001 - alive (timed out) or transport closed
+                return None
+            return None  # pragma: no cover - nobody sends on the probe tag
+
+        peers = [p for p in self._ranks if p != self._transport.rank and p != exclude]
+        if not peers or self._transport.closed:
+            return []
+        found = await asyncio.gather(*(probe(p) for p in peers))
+        return [text for text in found if text]
+
+    def _flat(self, array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(work, flat)``: a C-contiguous working array and its 1-D view."""
+        work = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+        return work, work.reshape(-1)
+
+    def _segment(self, dtype: np.dtype[Any], nbytes: int, pieces: int) -> int:
+        """Segment length in elements for pipelining ``nbytes`` in about ``pieces`` parts.
+
+        ``segment_bytes`` is the largest segment; smaller messages are cut finer (down
+        to ``MIN_SEGMENT_BYTES``) so that a step can forward its first segment long
+        before its last one has arrived.
+        """
+        largest = self.segment_bytes
+        seg = min(largest, max(min(MIN_SEGMENT_BYTES, largest), nbytes // pieces))
+        return max(1, seg // max(1, dtype.itemsize))
+
+    # -- collectives ---------------------------------------------------------------------
+
+    async def all_reduce(self, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM, *,
+                         timeout: float | None = None, async_op: bool = False) -> Any:
+        """Reduce ``array`` over all ranks, in place; returns ``array`` (or a ``Work``).
+
+        Every rank must pass the same shape and dtype. See the module docstring for the
+        algorithm choice and for ``MEAN`` and ``bool`` semantics.
+        """
+        self._check_member("all_reduce")
+        op = _as_op(op)
+        _check_array(array, "all_reduce", writeable=True)
+        if op is ReduceOp.MEAN and array.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"all_reduce MEAN needs a floating dtype, got {array.dtype.name} "
+                            "(reduce with SUM and divide as you see fit)")
+        work, flat = self._flat(array)
+        n = self.world_size
+
+        async def body(chan: Channel) -> np.ndarray:
+            if n > 1 and flat.size:
+                if flat.nbytes <= self.small_message_bytes:
+                    await doubling_all_reduce(chan, flat, op)
+                else:
+                    await ring_all_reduce(chan, flat, op,
+                                          self._segment(flat.dtype, flat.nbytes // n, PIECES),
+                                          self.pipeline_depth)
+                if op is ReduceOp.MEAN:
+                    np.divide(flat, n, out=flat)
+            if work is not array:
+                array[...] = work
+            return array
+
+        return await self._submit("all_reduce", body, timeout, async_op)
+
+    async def reduce_scatter(self, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM, *,
+                             out: np.ndarray | None = None, timeout: float | None = None,
+                             async_op: bool = False) -> Any:
+        """Reduce ``array`` over all ranks and return this rank's chunk of the result.
+
+        ``array`` is flattened and split by ``chunk_bounds(array.size, world_size)`` (the
+        first ``size % n`` chunks one element longer); this rank gets chunk ``rank`` as a
+        1-D array, or in ``out`` (same dtype, exactly the chunk's number of elements).
+        ``array`` itself is not modified.
+        """
+        self._check_member("reduce_scatter")
+        op = _as_op(op)
+        _check_array(array, "reduce_scatter")
+        if op is ReduceOp.MEAN and array.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"reduce_scatter MEAN needs a floating dtype, got {array.dtype.name}")
+        _, flat = self._flat(array)
+        n = self.world_size
+        lo, hi = chunk_bounds(flat.size, n)[self._rank]
+        if out is None:
+            result = np.empty(hi - lo, array.dtype)
+        else:
+            _check_array(out, "reduce_scatter out=", writeable=True)
+            if out.dtype != array.dtype:
+                raise ValueError(f"reduce_scatter: out= has dtype {out.dtype.name}, "
+                                 f"input has {array.dtype.name}")
+            if out.size != hi - lo:
+                raise ValueError(
+                    f"reduce_scatter: out= holds {out.size} elements but group rank "
+                    f"{self._rank}'s chunk of {flat.size} elements over {n} ranks has "
+                    f"{hi - lo}")
+            if not out.flags.c_contiguous:
+                raise ValueError("reduce_scatter: out= must be C-contiguous")
+            result = out
+        out_flat = result.reshape(-1)
+
+        async def body(chan: Channel) -> np.ndarray:
+            if n == 1 or flat.size == 0:
+                out_flat[...] = flat[lo:hi]
+            elif flat.nbytes <= self.small_message_bytes:
+                scratch = flat.copy()
+                await doubling_all_reduce(chan, scratch, op)
+                out_flat[...] = scratch[lo:hi]
+            else:
+                await ring_reduce_scatter(chan, flat, op, out_flat,
+                                          self._segment(flat.dtype, flat.nbytes // n, PIECES))
+            if op is ReduceOp.MEAN and n > 1:
+                np.divide(out_flat, n, out=out_flat)
+            return result
+
+        return await self._submit("reduce_scatter", body, timeout, async_op)
+
+    async def all_gather(self, shard: np.ndarray, *, out: np.ndarray | None = None,
+                         timeout: float | None = None, async_op: bool = False) -> Any:
+        """Concatenate every rank's ``shard`` along axis 0, in group rank order.
+
+        Shards may have different lengths along axis 0 (trailing dims and dtype must
+        agree). Without ``out`` the ranks first exchange their shard shapes (one cheap
+        latency-bound step) and a new array is returned. With ``out`` (shape
+        ``(total, *shard.shape[1:])``) the shard sizes are taken to be
+        ``chunk_bounds(total, world_size)``, the rule ``reduce_scatter`` and
+        ``shard_tensor`` use, no shape exchange happens and every shard lands straight
+        in its final place. A 0-d shard counts as one row.
+        """
+        self._check_member("all_gather")
+        _check_array(shard, "all_gather")
+        mine = shard.reshape(1) if shard.ndim == 0 else shard
+        mine = mine if mine.flags.c_contiguous else np.ascontiguousarray(mine)
+        n = self.world_size
+        trailing = mine.shape[1:]
+        row = int(np.prod(trailing, dtype=np.int64))
+        if out is not None:
+            _check_array(out, "all_gather out=", writeable=True)
+            if out.dtype != mine.dtype:
+                raise ValueError(f"all_gather: out= has dtype {out.dtype.name}, shard has "
+                                 f"{mine.dtype.name}")
+            if out.ndim == 0 or out.shape[1:] != trailing:
+                raise ValueError(f"all_gather: out= has shape {out.shape}; expected "
+                                 f"(rows, {', '.join(map(str, trailing))}) for shards of "
+                                 f"shape {shard.shape}")
+            if not out.flags.c_contiguous:
+                raise ValueError("all_gather: out= must be C-contiguous")
+            rows = [b - a for a, b in chunk_bounds(out.shape[0], n)]
+            if rows[self._rank] != mine.shape[0]:
+                raise ValueError(
+                    f"all_gather: out= has {out.shape[0]} rows, so group rank {self._rank} "
+                    f"must contribute {rows[self._rank]} rows (chunk_bounds over {n} ranks) "
+                    f"but its shard has {mine.shape[0]}")
+
+        async def body(chan: Channel) -> np.ndarray:
+            if out is None:
+                sizes = await self._exchange_shapes(chan, mine)
+                result = np.empty((sum(sizes), *trailing), mine.dtype)
+            else:
+                sizes, result = rows, out
+            out_flat = result.reshape(-1)
+            chunks = tuple((a * row, b * row) for a, b in offsets_from_sizes(sizes))
+            a, b = chunks[self._rank]
+            place, own = out_flat[a:b], mine.reshape(-1)
+            if place.ctypes.data != own.ctypes.data:  # not already in place
+                place[...] = own
+            if n > 1 and out_flat.size:
+                data = chan.derive(1)
+                try:
+                    if out_flat.nbytes <= self.small_message_bytes:
+                        await bruck_all_gather(data, out_flat, chunks)
+                    else:
+                        await ring_all_gather(data, out_flat, chunks,
+                                              self._segment(out_flat.dtype,
+                                                            out_flat.nbytes // n, PIECES))
+                finally:
+                    chan.waiting_on = data.waiting_on
+            return result
+
+        return await self._submit("all_gather", body, timeout, async_op)
+
+    async def _exchange_shapes(self, chan: Channel, mine: np.ndarray) -> list[int]:
+        """All-gather every rank's shard shape and dtype; ``CollectiveMismatchError`` if
+        trailing dims or dtypes differ (raised identically on every rank)."""
+        meta = msgpack.packb([mine.dtype.name, list(mine.shape)])
+        blobs = await bruck_all_gather_blobs(chan, meta)
+        sizes = []
+        for source, blob in enumerate(blobs):
+            dtype_name, shape = msgpack.unpackb(blob)
+            if dtype_name != mine.dtype.name or tuple(shape[1:]) != mine.shape[1:]:
+                raise CollectiveMismatchError(
+                    f"all_gather: group rank {source} has a {dtype_name} shard of shape "
+                    f"{tuple(shape)} but group rank {self._rank} has {mine.dtype.name} "
+                    f"{mine.shape}; dtype and trailing dims must agree")
+            sizes.append(int(shape[0]))
+        return sizes
+
+    async def broadcast(self, array: np.ndarray, src: int, *, timeout: float | None = None,
+                        async_op: bool = False) -> Any:
+        """Copy ``array`` from group rank ``src`` into ``array`` on every rank, in place."""
+        self._check_member("broadcast")
+        src = self._peer(src, "broadcast src")
+        _check_array(array, "broadcast", writeable=True)
+        work, flat = self._flat(array)
+
+        async def body(chan: Channel) -> np.ndarray:
+            if self.world_size > 1 and flat.size:
+                if flat.nbytes <= self.small_message_bytes:
+                    await tree_broadcast(chan, flat, src)
+                else:
+                    # a chain of two has nothing to overlap: one message is cheapest
+                    segment = (flat.size if self.world_size == 2 else
+                               self._segment(flat.dtype, flat.nbytes, 2 * PIECES))
+                    await chain_broadcast(chan, flat, src, segment)
+            if work is not array:
+                array[...] = work
+            return array
+
+        return await self._submit("broadcast", body, timeout, async_op)
+
+    async def reduce(self, array: np.ndarray, dst: int, op: ReduceOp | str = ReduceOp.SUM, *,
+                     timeout: float | None = None, async_op: bool = False) -> Any:
+        """Reduce ``array`` over all ranks into ``array`` on group rank ``dst``.
+
+        Returns ``array``; on other ranks ``array`` is left unchanged.
+        """
+        self._check_member("reduce")
+        dst = self._peer(dst, "reduce dst")
+        op = _as_op(op)
+        _check_array(array, "reduce", writeable=self._rank == dst)
+        if op is ReduceOp.MEAN and array.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"reduce MEAN needs a floating dtype, got {array.dtype.name}")
+        work, flat = self._flat(array)
+        n = self.world_size
+        root = self._rank == dst
+
+        async def body(chan: Channel) -> np.ndarray:
+            if n > 1 and flat.size:
+                if flat.nbytes <= self.small_message_bytes:
+                    await tree_reduce(chan, flat, op, dst, flat if root else flat.copy())
+                else:
+                    await self._ring_reduce(chan, flat, op, dst)
+                if root and op is ReduceOp.MEAN:
+                    np.divide(flat, n, out=flat)
+                if root and work is not array:
+                    array[...] = work
+            return array
+
+        return await self._submit("reduce", body, timeout, async_op)
+
+    async def _ring_reduce(self, chan: Channel, flat: np.ndarray, op: ReduceOp,
+                           dst: int) -> None:
+        n = self.world_size
+        bounds = chunk_bounds(flat.size, n)
+        lo, hi = bounds[self._rank]
+        shard = np.empty(hi - lo, flat.dtype)
+        await ring_reduce_scatter(chan, flat, op, shard,
+                                  self._segment(flat.dtype, flat.nbytes // n, PIECES))
+        gather = chan.derive(1)
+        try:
+            if self._rank != dst:
+                await gather.send(dst, shard)
+                return
+            await gather_tasks([gather.recv(p, flat[a:b]) for p, (a, b) in enumerate(bounds)
+                                 if p != dst and b > a])
+            flat[lo:hi] = shard
+        finally:
+            chan.waiting_on = gather.waiting_on
+
+    async def gather(self, array: np.ndarray, dst: int, *, timeout: float | None = None,
+                     async_op: bool = False) -> Any:
+        """Collect every rank's ``array`` on group rank ``dst``.
+
+        Returns the list of arrays in group rank order on ``dst`` (its own entry is a
+        copy), None elsewhere. Arrays may differ in shape and dtype.
+        """
+        self._check_member("gather")
+        dst = self._peer(dst, "gather dst")
+        _check_array(array, "gather")
+        payload = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+        async def body(chan: Channel) -> list[np.ndarray] | None:
+            return await linear_gather(chan, payload, dst)
+
+        return await self._submit("gather", body, timeout, async_op)
+
+    async def scatter(self, arrays: Sequence[np.ndarray] | None, src: int, *,
+                      timeout: float | None = None, async_op: bool = False) -> Any:
+        """Send ``arrays[i]`` from group rank ``src`` to group rank ``i``.
+
+        ``arrays`` (one array per rank, any shapes) is read on ``src`` only; pass None
+        elsewhere. Returns this rank's array (a copy on ``src``).
+        """
+        self._check_member("scatter")
+        src = self._peer(src, "scatter src")
+        payloads: list[np.ndarray] | None = None
+        if self._rank == src:
+            if arrays is None or isinstance(arrays, np.ndarray) or len(arrays) != self.world_size:
+                count = "None" if arrays is None else (
+                    "an array" if isinstance(arrays, np.ndarray) else f"{len(arrays)} arrays")
+                raise ValueError(f"scatter: source rank {src} must pass a list of "
+                                 f"{self.world_size} arrays, got {count}")
+            payloads = [np.ascontiguousarray(_check_array(a, f"scatter arrays[{i}]"))
+                        for i, a in enumerate(arrays)]
+
+        async def body(chan: Channel) -> np.ndarray:
+            return await linear_scatter(chan, payloads, src)
+
+        return await self._submit("scatter", body, timeout, async_op)
+
+    async def barrier(self, *, timeout: float | None = None, async_op: bool = False) -> Any:
+        """Wait until every member has entered the barrier (dissemination, no root)."""
+        self._check_member("barrier")
+
+        async def body(chan: Channel) -> None:
+            await dissemination_barrier(chan)
+
+        return await self._submit("barrier", body, timeout, async_op)
+
+    async def all_gather_object(self, obj: Any, *, timeout: float | None = None,
+                                async_op: bool = False) -> Any:
+        """Gather one msgpack-able object per rank; returns the list in group rank order.
+
+        msgpack only (tuples come back as lists), never pickle. A rank whose object cannot
+        be encoded raises ``TypeError``; the others raise ``CollectiveError`` naming it.
+        """
+        self._check_member("all_gather_object")
+        blob, error = encode_object(obj, "all_gather_object")
+
+        async def body(chan: Channel) -> list[Any]:
+            blobs = await bruck_all_gather_blobs(chan, blob)
+            if error is not None:
+                raise error
+            return [decode_object(b, chan.op, source) for source, b in enumerate(blobs)]
+
+        return await self._submit("all_gather_object", body, timeout, async_op)
+
+    async def broadcast_object(self, obj: Any, src: int, *, timeout: float | None = None,
+                               async_op: bool = False) -> Any:
+        """Return group rank ``src``'s ``obj`` on every rank (msgpack only, never pickle).
+
+        ``obj`` is ignored on other ranks. If ``src`` cannot encode it, ``src`` raises
+        ``TypeError`` and the others ``CollectiveError``.
+        """
+        self._check_member("broadcast_object")
+        src = self._peer(src, "broadcast_object src")
+        blob, error = (encode_object(obj, "broadcast_object") if self._rank == src
+                       else (b"", None))
+
+        async def body(chan: Channel) -> Any:
+            received = await tree_broadcast_blob(chan, blob, src)
+            if error is not None:
+                raise error
+            return decode_object(received, chan.op, src)
+
+        return await self._submit("broadcast_object", body, timeout, async_op)
+
+    # -- point to point ------------------------------------------------------------------
+
+    def _p2p_tag(self, tag: int) -> int:
+        if not isinstance(tag, (int, np.integer)) or isinstance(tag, bool):
+            raise TypeError(f"tag must be an int, got {type(tag).__name__}")
+        if not 0 <= tag < P2P_TAG_LIMIT:
+            raise ValueError(f"group send/recv tag must be in 0..{P2P_TAG_LIMIT - 1}, got {tag}")
+        return self._tag_base | _P2P_BIT | int(tag)
+
+    async def _p2p(self, op: str, body: Callable[[], Awaitable[T]], timeout: float,
+                   peer: int, async_op: bool) -> T | Work:
+        chan = Channel(self._transport, self._ranks, self._rank, 0, timeout, op)
+        chan.waiting_on = peer
+
+        async def run(_: Channel) -> T:
+            return await body()
+
+        coro = self._run(chan, run)
+        if not async_op:
+            return await coro
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._forget)
+        return Work(task, op)
+
+    async def send(self, array: Any, dst: int, tag: int = 0, *, timeout: float | None = None,
+                   async_op: bool = False) -> Any:
+        """Send ``array`` (ndarray or bytes-like) to group rank ``dst`` on ``tag`` (< 2**20).
+
+        Tags are namespaced per group: they never meet the parent's or another group's.
+        """
+        self._check_member("send")
+        dst = self._peer(dst, "send dst")
+        if dst == self._rank:
+            raise ValueError(f"send dst {dst} is this rank")
+        wire_tag = self._p2p_tag(tag)
+        deadline = _timeout_value(timeout, "timeout") or self._timeout
+        target = self._ranks[dst]
+
+        async def body() -> None:
+            await self._transport.send(target, array, tag=wire_tag, timeout=deadline)
+
+        return await self._p2p("send", body, deadline, dst, async_op)
+
+    async def recv(self, src: int, tag: int = 0, *, out: np.ndarray | None = None,
+                   timeout: float | None = None, async_op: bool = False) -> Any:
+        """Receive the next message from group rank ``src`` on ``tag`` (into ``out``)."""
+        self._check_member("recv")
+        src = self._peer(src, "recv src")
+        if src == self._rank:
+            raise ValueError(f"recv src {src} is this rank")
+        wire_tag = self._p2p_tag(tag)
+        deadline = _timeout_value(timeout, "timeout") or self._timeout
+        source = self._ranks[src]
+
+        async def body() -> np.ndarray:
+            return await self._transport.recv(source, tag=wire_tag, out=out, timeout=deadline)
+
+        return await self._p2p("recv", body, deadline, src, async_op)
+

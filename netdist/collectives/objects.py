@@ -1,0 +1,47 @@
+"""Encoding for the object collectives: msgpack only, never pickle.
+
+Objects travel as msgpack (ints, floats, str, bytes, bool, None, lists, dicts; tuples
+come back as lists). Each rank's blob starts with a status byte so a rank that cannot
+encode its object still takes part in the exchange, and every other rank learns which
+rank failed instead of waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from netdist.errors import CollectiveError
+
+__all__ = ["encode_object", "decode_object", "ObjectEncodeError"]
+
+_OK = b"\x00"
+_FAILED = b"\x01"
+
+
+class ObjectEncodeError(TypeError):
+    """This rank's object cannot be encoded with msgpack."""
+
+
+def encode_object(obj: Any, op: str) -> tuple[bytes, ObjectEncodeError | None]:
+    """Return ``(blob, error)``: the status-prefixed msgpack of ``obj``, or a failure blob
+    carrying the reason plus the ``TypeError`` to raise locally after the exchange."""
+    try:
+        packed = msgpack.packb(obj, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        reason = (f"{op}: object of type {type(obj).__name__} cannot be encoded with msgpack "
+                  f"({exc}); only ints, floats, str, bytes, bool, None, lists and dicts can "
+                  "be sent (netdist never pickles)")
+        return _FAILED + reason.encode(), ObjectEncodeError(reason)
+    return _OK + packed, None
+
+
+def decode_object(blob: bytes, op: str, source: int) -> Any:
+    """Decode a blob from group rank ``source``; ``CollectiveError`` if that rank failed."""
+    if blob[:1] == _FAILED:
+        raise CollectiveError(f"{op}: group rank {source} could not send its object: "
+                              f"{blob[1:].decode(errors='replace')}")
+    if blob[:1] != _OK:
+        raise CollectiveError(f"{op}: malformed object blob from group rank {source}")
+    return msgpack.unpackb(blob[1:], raw=False, strict_map_key=False)

@@ -1,0 +1,109 @@
+"""One rank of the multi-process collective tests: ``python -m tests.collectives.mp_worker``.
+
+Modes (first argument):
+
+- ``check``: all_reduce (both algorithms), reduce_scatter, all_gather (uneven),
+  broadcast and an object all-gather, each compared exactly with its closed form; prints
+  ``OK rank R`` and exits 0, or prints ``MISMATCH ...`` and exits 1.
+- ``kill VICTIM``: a large ring all_reduce; rank VICTIM SIGKILLs itself after sending a
+  few segments. Survivors print ``ERROR <type>: <message>`` and exit 3 (or exit 0 with
+  ``UNEXPECTED success``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from typing import Any
+
+import numpy as np
+
+from netdist.collectives import Group
+from netdist.sharding import chunk_bounds
+from netdist.transport.setup import init
+from netdist.types import ReduceOp
+
+
+def _fail(what: str) -> None:
+    print(f"MISMATCH {what}", flush=True)
+    raise SystemExit(1)
+
+
+async def check() -> None:
+    async with init() as transport:
+        async with Group(transport, timeout=30, segment_bytes=64 * 1024) as g:
+            n, r = g.world_size, g.rank
+            for threshold in (1 << 40, 0):  # latency-optimal, then ring
+                g.small_message_bytes = threshold
+                arr = (np.arange(100_003, dtype=np.int64) % 1000) * (r + 1)
+                await g.all_reduce(arr)
+                if not np.array_equal(arr, (np.arange(100_003) % 1000) * (n * (n + 1) // 2)):
+                    _fail(f"all_reduce threshold={threshold}")
+                flt = np.full(70_000, 0.25 * (r + 1), np.float32)
+                await g.all_reduce(flt, ReduceOp.MAX)
+                if not np.array_equal(flt, np.full(70_000, 0.25 * n, np.float32)):
+                    _fail("all_reduce MAX")
+                full = np.arange(50_000, dtype=np.float64) * (r + 1)
+                shard = await g.reduce_scatter(full)
+                a, b = chunk_bounds(50_000, n)[r]
+                if not np.array_equal(shard, np.arange(a, b, dtype=np.float64)
+                                      * (n * (n + 1) // 2)):
+                    _fail("reduce_scatter")
+                rows = 1000 * (r + 1)
+                gathered = await g.all_gather(np.full((rows, 3), r, np.int32))
+                expected = np.concatenate([np.full((1000 * (k + 1), 3), k, np.int32)
+                                           for k in range(n)])
+                if not np.array_equal(gathered, expected):
+                    _fail("all_gather")
+                data = np.arange(300_000, dtype=np.float32) if r == n - 1 else \
+                    np.zeros(300_000, np.float32)
+                await g.broadcast(data, n - 1)
+                if not np.array_equal(data, np.arange(300_000, dtype=np.float32)):
+                    _fail("broadcast")
+            objs = await g.all_gather_object({"rank": r, "pid": os.getpid()})
+            if [o["rank"] for o in objs] != list(range(n)):
+                _fail("all_gather_object")
+            await g.barrier()
+    print(f"OK rank {r}", flush=True)
+
+
+async def kill(victim: int) -> None:
+    async with init() as transport:
+        g = Group(transport, segment_bytes=256 * 1024, small_message_bytes=0)
+        if transport.rank == victim:
+            original = transport.send
+            sent = 0
+
+            async def send(dst: int, data: Any, **kwargs: Any) -> None:
+                nonlocal sent
+                sent += 1
+                if sent > 3:  # a few segments out, then die without any goodbye
+                    os.kill(os.getpid(), signal.SIGKILL)
+                await original(dst, data, **kwargs)
+
+            transport.send = send  # type: ignore[method-assign]
+        await g.barrier(timeout=30)
+        print(f"READY rank {transport.rank}", flush=True)
+        try:
+            await g.all_reduce(np.ones(8 * 1024 * 1024, np.float32),
+                               timeout=float(os.environ["MP_OP_TIMEOUT"]))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            print(f"ERROR {type(exc).__name__}: {exc}", flush=True)
+            raise SystemExit(3) from None
+        print("UNEXPECTED success", flush=True)
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    if mode == "check":
+        asyncio.run(check())
+    elif mode == "kill":
+        asyncio.run(kill(int(sys.argv[2])))
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main()
