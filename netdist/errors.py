@@ -20,6 +20,7 @@ the transport boundary and never escape to callers.
     │   └── RendezvousTimeoutError          ranks never arrived at the coordinator
     ├── RendezvousError                     duplicate ranks, world-size mismatch
     ├── CollectiveError                     collective misuse or a remote rank's failure
+    │   ├── CollectiveMismatchError (ValueError)  ranks passed incompatible sizes/dtypes
     │   └── NotInGroupError                 calling into a group this rank is not part of
     ├── ParameterServerError                a server or worker failed or misbehaved
     ├── PipelineError                       invalid pipeline configuration or schedule
@@ -49,6 +50,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "RendezvousError",
     "CollectiveError",
+    "CollectiveMismatchError",
     "NotInGroupError",
     "ParameterServerError",
     "PipelineError",
@@ -122,6 +124,10 @@ class RendezvousError(NetdistError):
 
 class CollectiveError(NetdistError):
     """A collective was misused, or failed on another rank."""
+
+
+class CollectiveMismatchError(CollectiveError, ValueError):
+    """Ranks called the same collective with incompatible shapes, sizes or dtypes."""
 
 
 class NotInGroupError(CollectiveError):

@@ -11,7 +11,7 @@ broadcast, gather, scatter, reduce, barrier, object collectives, p2p), subgroups
     full = await work
 """
 
-from netdist.collectives.channel import CollectiveMismatchError
+from netdist.errors import CollectiveMismatchError
 from netdist.collectives.group import (
     DEFAULT_SEGMENT_BYTES,
     DEFAULT_SMALL_MESSAGE_BYTES,

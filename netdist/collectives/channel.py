@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from netdist.errors import CollectiveError, ConnectError, PeerLostError
+from netdist.errors import CollectiveMismatchError
 from netdist.transport.base import Transport
 
 __all__ = ["Channel", "ScratchPool", "CollectiveMismatchError", "EAGER_BYTES",
@@ -28,10 +28,6 @@ PLAN_CACHE_SIZE = 256
 EAGER_BYTES = 256 * 1024
 """``exchange`` sends first and receives after for messages up to this size; larger
 ones send and receive concurrently so neither side waits on a full socket buffer."""
-
-
-class CollectiveMismatchError(CollectiveError, ValueError):
-    """Ranks called the same collective with incompatible shapes, sizes or dtypes."""
 
 
 class ScratchPool:
@@ -113,11 +109,8 @@ class Channel:
 
     async def send(self, peer: int, data: Any, sub: int = 0) -> None:
         """Send ``data`` to group rank ``peer`` on sub-tag ``sub`` of this operation."""
-        target = self.ranks[peer]
-        try:
-            await self.transport.send(target, data, tag=self.tag + sub, timeout=self.timeout)
-        except ConnectError as exc:  # a connection that closed under us: the peer is gone
-            raise PeerLostError(target, f"rank {target}: {exc}") from exc
+        await self.transport.send(self.ranks[peer], data, tag=self.tag + sub,
+                                  timeout=self.timeout)
 
     async def recv(self, peer: int, out: np.ndarray | None = None, sub: int = 0) -> np.ndarray:
         """Receive the next message from group rank ``peer`` (into ``out`` if given)."""

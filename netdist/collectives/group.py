@@ -91,7 +91,6 @@ from netdist.collectives.small import (
 from netdist.collectives.work import Work
 from netdist.errors import (
     CollectiveError,
-    ConnectError,
     LocalProtocolError,
     NetdistTimeoutError,
     NotInGroupError,
@@ -421,12 +420,6 @@ class Group:
                 exc.rank, f"{chan.op} on {self._describe()}: lost "
                 f"{self._group_rank_of(exc.rank)}: {exc}"
                 f"{'; also ' + '; '.join(others) if others else ''}") from exc
-        except ConnectError as exc:  # a connection closed under a p2p send: peer gone
-            if chan.waiting_on < 0:
-                raise ConnectError(f"{chan.op} on {self._describe()}: {exc}") from exc
-            peer = self._ranks[chan.waiting_on]
-            raise PeerLostError(peer, f"{chan.op} on {self._describe()}: lost "
-                                f"{self._group_rank_of(peer)}: {exc}") from exc
         except TransportClosedError as exc:
             raise TransportClosedError(f"{chan.op} on {self._describe()}: {exc}") from exc
         except LocalProtocolError as exc:

@@ -473,7 +473,11 @@ class FrameConnection(asyncio.BufferedProtocol):
                 raise self._failure()
             transport = self.transport
             if transport is None or transport.is_closing():
-                raise ConnectError(f"connection to {peer} is closed")
+                # closing before the loss was registered: the peer is gone all the same
+                if self.peer_rank is None:
+                    raise ConnectError(f"connection to {peer} is closed")
+                raise PeerLostError(self.peer_rank,
+                                    f"connection to {peer} closed (tag {tag})")
             header = buffers[0]
             if payload_nbytes <= SMALL_FRAME_BYTES:
                 frame = header if len(buffers) == 1 else b"".join(buffers)
