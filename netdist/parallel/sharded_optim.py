@@ -12,11 +12,13 @@ by construction. This module never imports ``netdist.train``; ``sharded_optimize
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from netdist.optim_kernels import (adam_update, check_adam_hyperparameters, check_lr,
+                                    check_sgd_hyperparameters, sgd_update)
 
 __all__ = ["ShardedOptimizer", "ShardedSGD", "ShardedAdam", "sharded_optimizer_from"]
 
@@ -33,8 +35,7 @@ class ShardedOptimizer:
     _hyper_names: tuple[str, ...] = ()
 
     def __init__(self, lr: float) -> None:
-        if not lr >= 0:
-            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        check_lr(lr)
         self.lr = float(lr)
 
     def state_keys(self) -> tuple[str, ...]:
@@ -75,12 +76,8 @@ class ShardedSGD(ShardedOptimizer):
     def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0, dampening: float = 0.0) -> None:
         super().__init__(lr)
-        if not momentum >= 0:
-            raise ValueError(f"momentum must be >= 0, got {momentum}")
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires momentum > 0 and dampening == 0")
+        check_sgd_hyperparameters(momentum=momentum, nesterov=nesterov,
+                                  weight_decay=weight_decay, dampening=dampening)
         self.momentum = float(momentum)
         self.nesterov = bool(nesterov)
         self.weight_decay = float(weight_decay)
@@ -91,18 +88,10 @@ class ShardedSGD(ShardedOptimizer):
 
     def update(self, param: np.ndarray, grad: np.ndarray, state: Mapping[str, np.ndarray],
                step: int) -> None:
-        d = grad
-        if self.weight_decay != 0:
-            d = d + self.weight_decay * param
-        if self.momentum != 0:
-            buf = state["momentum_buffer"]
-            if step == 1:
-                buf[...] = d
-            else:
-                buf *= self.momentum
-                buf += (1 - self.dampening) * d
-            d = d + self.momentum * buf if self.nesterov else buf
-        param -= self.lr * d
+        sgd_update(param, grad, state["momentum_buffer"] if self.momentum != 0 else None,
+                   lr=self.lr, momentum=self.momentum, nesterov=self.nesterov,
+                   weight_decay=self.weight_decay, dampening=self.dampening,
+                   first_step=step == 1)
 
 
 class ShardedAdam(ShardedOptimizer):
@@ -119,13 +108,7 @@ class ShardedAdam(ShardedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False) -> None:
         super().__init__(lr)
         beta1, beta2 = betas
-        for name, beta in (("beta1", beta1), ("beta2", beta2)):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {beta}")
-        if not eps >= 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        check_adam_hyperparameters(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
         self.beta1 = float(beta1)
         self.beta2 = float(beta2)
         self.eps = float(eps)
@@ -142,23 +125,10 @@ class ShardedAdam(ShardedOptimizer):
 
     def update(self, param: np.ndarray, grad: np.ndarray, state: Mapping[str, np.ndarray],
                step: int) -> None:
-        g = grad
-        if self.weight_decay != 0:
-            g = g + self.weight_decay * param
-        m = state["exp_avg"]
-        v = state["exp_avg_sq"]
-        m *= self.beta1
-        m += (1 - self.beta1) * g
-        v *= self.beta2
-        v += (1 - self.beta2) * (g * g)
-        bias_correction1 = 1 - self.beta1 ** step
-        bias_correction2 = 1 - self.beta2 ** step
-        if self.amsgrad:
-            vmax = state["max_exp_avg_sq"]
-            np.maximum(vmax, v, out=vmax)
-            v = vmax
-        denom = np.sqrt(v) / math.sqrt(bias_correction2) + self.eps
-        param -= (self.lr / bias_correction1) * (m / denom)
+        adam_update(param, grad, state["exp_avg"], state["exp_avg_sq"], step=step, lr=self.lr,
+                    beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                    weight_decay=self.weight_decay,
+                    max_exp_avg_sq=state["max_exp_avg_sq"] if self.amsgrad else None)
 
 
 def sharded_optimizer_from(optimizer: Any) -> ShardedOptimizer:

@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 
 from netdist.errors import ConfigError, ParameterServerError
+from netdist.optim_kernels import (adam_update, check_adam_hyperparameters, check_lr,
+                                    check_sgd_hyperparameters, sgd_update)
 from netdist.sharding import chunk_bounds
 from netdist.types import WIRE_DTYPES, dtype_from_wire, dtype_to_wire
 
@@ -497,14 +499,9 @@ class SGDConfig:
     dampening: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.lr >= 0:
-            raise ValueError(f"learning rate must be >= 0, got {self.lr}")
-        if not self.momentum >= 0:
-            raise ValueError(f"momentum must be >= 0, got {self.momentum}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ValueError("Nesterov momentum requires momentum > 0 and dampening == 0")
+        check_lr(self.lr)
+        check_sgd_hyperparameters(momentum=self.momentum, nesterov=self.nesterov,
+                                  weight_decay=self.weight_decay, dampening=self.dampening)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": "sgd", **dataclasses.asdict(self)}
@@ -522,15 +519,9 @@ class AdamConfig:
     amsgrad: bool = False
 
     def __post_init__(self) -> None:
-        if not self.lr >= 0:
-            raise ValueError(f"learning rate must be >= 0, got {self.lr}")
-        for name, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {beta}")
-        if not self.eps >= 0:
-            raise ValueError(f"eps must be >= 0, got {self.eps}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        check_lr(self.lr)
+        check_adam_hyperparameters(beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                                   weight_decay=self.weight_decay)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": "adam", **dataclasses.asdict(self)}
@@ -584,19 +575,13 @@ class ShardOptimizer:
             self._adam(self.config, param, grad)
 
     def _sgd(self, c: SGDConfig, p: np.ndarray, grad: np.ndarray) -> None:
-        d = grad
-        if c.weight_decay != 0:
-            d = d + c.weight_decay * p
-        if c.momentum != 0:
-            buf = self.state.get("momentum_buffer")
-            if buf is None:
-                buf = self.state["momentum_buffer"] = np.array(d, dtype=p.dtype, copy=True)
-            else:
-                buf *= c.momentum
-                buf += np.multiply(d, 1 - c.dampening, out=self._scratch(p))
-            d = d + c.momentum * buf if c.nesterov else buf
-        # p -= lr * d, without a temporary the size of the shard each step (same bits)
-        p -= np.multiply(d, c.lr, out=self._scratch(p))
+        # the scratch array spares a shard-sized temporary per product (same bits)
+        buf = sgd_update(p, grad, self.state.get("momentum_buffer"), lr=c.lr,
+                         momentum=c.momentum, nesterov=c.nesterov,
+                         weight_decay=c.weight_decay, dampening=c.dampening,
+                         scratch=self._scratch(p))
+        if buf is not None:
+            self.state["momentum_buffer"] = buf
 
     def _scratch(self, p: np.ndarray) -> np.ndarray:
         if self._scratch_buf is None or self._scratch_buf.shape != p.shape:
@@ -609,24 +594,10 @@ class ShardOptimizer:
             self.state["exp_avg_sq"] = np.zeros_like(p)
             if c.amsgrad:
                 self.state["max_exp_avg_sq"] = np.zeros_like(p)
-        step = self.steps
-        g = grad
-        if c.weight_decay != 0:
-            g = g + c.weight_decay * p
-        m = self.state["exp_avg"]
-        v = self.state["exp_avg_sq"]
-        m *= c.beta1
-        m += (1 - c.beta1) * g
-        v *= c.beta2
-        v += (1 - c.beta2) * (g * g)
-        bias_correction1 = 1 - c.beta1 ** step
-        bias_correction2 = 1 - c.beta2 ** step
-        if c.amsgrad:
-            vmax = self.state["max_exp_avg_sq"]
-            np.maximum(vmax, v, out=vmax)
-            v = vmax
-        denom = np.sqrt(v) / math.sqrt(bias_correction2) + c.eps
-        p -= (c.lr / bias_correction1) * (m / denom)
+        adam_update(p, grad, self.state["exp_avg"], self.state["exp_avg_sq"], step=self.steps,
+                    lr=c.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
+                    weight_decay=c.weight_decay,
+                    max_exp_avg_sq=self.state["max_exp_avg_sq"] if c.amsgrad else None)
 
 
 # -- versions and bounded staleness -----------------------------------------------------

@@ -15,12 +15,13 @@ points at when ``step()`` runs; FSDP relies on that to step a local shard.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
+from netdist.optim_kernels import (adam_update, check_adam_hyperparameters, check_lr,
+                                    check_sgd_hyperparameters, sgd_update)
 from netdist.train.nn import Parameter
 
 __all__ = ["Optimizer", "SGD", "Adam"]
@@ -45,8 +46,7 @@ class Optimizer:
         if len(set(names)) != len(names):
             dupes = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"parameter names must be unique within an optimizer: {dupes}")
-        if not lr >= 0:
-            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        check_lr(lr)
         self.lr = float(lr)
         self.state: dict[str, dict[str, Any]] = {}
 
@@ -129,30 +129,19 @@ class SGD(Optimizer):
                  nesterov: bool = False, weight_decay: float = 0.0,
                  dampening: float = 0.0) -> None:
         super().__init__(params, lr)
-        if not momentum >= 0:
-            raise ValueError(f"momentum must be >= 0, got {momentum}")
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires momentum > 0 and dampening == 0")
+        check_sgd_hyperparameters(momentum=momentum, nesterov=nesterov,
+                                  weight_decay=weight_decay, dampening=dampening)
         self.momentum = float(momentum)
         self.nesterov = bool(nesterov)
         self.weight_decay = float(weight_decay)
         self.dampening = float(dampening)
 
     def _update(self, p: Parameter, state: dict[str, Any]) -> None:
-        d = p.grad
-        if self.weight_decay != 0:
-            d = d + self.weight_decay * p.data
-        if self.momentum != 0:
-            buf = state.get("momentum_buffer")
-            if buf is None:
-                buf = state["momentum_buffer"] = np.array(d, dtype=p.data.dtype, copy=True)
-            else:
-                buf *= self.momentum
-                buf += (1 - self.dampening) * d
-            d = d + self.momentum * buf if self.nesterov else buf
-        p.data -= self.lr * d
+        buf = sgd_update(p.data, p.grad, state.get("momentum_buffer"), lr=self.lr,
+                         momentum=self.momentum, nesterov=self.nesterov,
+                         weight_decay=self.weight_decay, dampening=self.dampening)
+        if buf is not None:
+            state["momentum_buffer"] = buf
 
 
 class Adam(Optimizer):
@@ -172,13 +161,7 @@ class Adam(Optimizer):
                  weight_decay: float = 0.0, amsgrad: bool = False) -> None:
         super().__init__(params, lr)
         beta1, beta2 = betas
-        for name, beta in (("beta1", beta1), ("beta2", beta2)):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {beta}")
-        if not eps >= 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        check_adam_hyperparameters(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
         self.beta1 = float(beta1)
         self.beta2 = float(beta2)
         self.eps = float(eps)
@@ -197,21 +180,9 @@ class Adam(Optimizer):
             if self.amsgrad:
                 state["max_exp_avg_sq"] = np.zeros_like(p.data)
         state["step"] += 1
-        step = state["step"]
-        g = p.grad
-        if self.weight_decay != 0:
-            g = g + self.weight_decay * p.data
-        m = state["exp_avg"]
-        v = state["exp_avg_sq"]
-        m *= self.beta1
-        m += (1 - self.beta1) * g
-        v *= self.beta2
-        v += (1 - self.beta2) * (g * g)
-        bias_correction1 = 1 - self.beta1 ** step
-        bias_correction2 = 1 - self.beta2 ** step
+        max_exp_avg_sq = None
         if self.amsgrad:
-            vmax = state.setdefault("max_exp_avg_sq", np.zeros_like(p.data))
-            np.maximum(vmax, v, out=vmax)
-            v = vmax
-        denom = np.sqrt(v) / math.sqrt(bias_correction2) + self.eps
-        p.data -= (self.lr / bias_correction1) * (m / denom)
+            max_exp_avg_sq = state.setdefault("max_exp_avg_sq", np.zeros_like(p.data))
+        adam_update(p.data, p.grad, state["exp_avg"], state["exp_avg_sq"], step=state["step"],
+                    lr=self.lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                    weight_decay=self.weight_decay, max_exp_avg_sq=max_exp_avg_sq)
