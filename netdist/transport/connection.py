@@ -131,6 +131,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         """Frames written so far (data and control)."""
         self._seen = (0, 0)
         self.peer_said_bye = False
+        self._linger = False  # we sent BYE and half-closed: wait for the peer's EOF
         self._loop = asyncio.get_running_loop()
         self._decoder = FrameDecoder(limits)
         self._on_made = on_made
@@ -611,7 +612,17 @@ class FrameConnection(asyncio.BufferedProtocol):
         transport = self.transport
         if transport is not None and not transport.is_closing():
             if orderly and not self._sending:
-                transport.close()
+                if self._linger and transport.can_write_eof():
+                    # Half-close after everything buffered (our BYE last) is written; the
+                    # socket closes when the peer, having read it all, closes its side.
+                    # Closing at once could drop the tail of our data if this process (or
+                    # its container's network) goes away before the kernel delivered it.
+                    try:
+                        transport.write_eof()
+                    except OSError:  # the peer is already gone: nothing left to deliver
+                        transport.close()
+                else:
+                    transport.close()
             else:
                 transport.abort()
         if self._on_failed is not None:
@@ -621,7 +632,7 @@ class FrameConnection(asyncio.BufferedProtocol):
               reason: str = "connection closed") -> None:
         """Close from our side: send BYE when possible (no frame half written), then close."""
         if send_bye and self._failure is None:
-            self.write_control(encode_control(FrameKind.BYE))
+            self._linger = self.write_control(encode_control(FrameKind.BYE))
         self.fail(reason, orderly=True, error=error)
 
     async def wait_closed(self, timeout: float) -> None:
@@ -632,7 +643,12 @@ class FrameConnection(asyncio.BufferedProtocol):
             async with asyncio.timeout(timeout):
                 await asyncio.shield(self._closed)
         except TimeoutError:
-            self.transport.abort()
+            # The peer never closed its side: close ours gracefully when we half-closed
+            # (the kernel still delivers what it holds), abort otherwise.
+            if self._linger:
+                self.transport.close()
+            else:
+                self.transport.abort()
             try:
                 async with asyncio.timeout(1.0):
                     await asyncio.shield(self._closed)
