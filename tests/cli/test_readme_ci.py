@@ -91,6 +91,9 @@ def fake_clone(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     _stub(bin_dir / "python3", STUB_PYTHON3)
     _stub(venv_bin / "pip", STUB_PIP)
     _stub(venv_bin / "python", STUB_PYTHON)
+    # the image build for the docker tests is exercised by tests/docker, not here
+    (clone / "docker").mkdir()
+    _stub(clone / "docker" / "ci-setup.sh", '#!/bin/sh\necho "stub ci-setup" >> "$STUB_LOG.ci-setup"\n')
     env = dict(os.environ)
     env.update(PATH=f"{bin_dir}:{env['PATH']}", STUB_VENV_BIN=str(venv_bin),
                STUB_LOG=str(tmp_path / "log"))
@@ -118,6 +121,8 @@ def test_ci_exit_status_follows_pytest(fake_clone: tuple[Path, dict[str, str]],
     assert "stub pip install -e .[test]" in result.stdout
     assert Path(env["STUB_LOG"]).read_text() == "stub python -m pytest\n"
     assert not (clone / ".venv" / "stale").exists()  # a fresh venv
+    if shutil.which("docker", path=env["PATH"]):  # the docker image step runs first
+        assert Path(env["STUB_LOG"] + ".ci-setup").read_text() == "stub ci-setup\n"
 
 
 def test_ci_fails_when_install_fails_and_passes_arguments(
