@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from netdist.errors import NotInGroupError, PeerLostError
+from netdist.ps.state import PSRoles, ps_roles
 from netdist.transport.base import MAX_TAG, Transport, as_payload_array
 from netdist.transport.mailbox import PeerMailbox, byte_view
 
@@ -141,6 +142,16 @@ class Endpoint:
             if rank is not None and rank != error.rank:
                 return f"{error} (group rank {rank})"
         return str(error) or type(error).__name__
+
+
+def open_endpoint(group: GroupLike | Transport, *, num_servers: int, timeout: float | None,
+                  colocated: bool, loopback: Loopback | None) -> tuple[Endpoint, PSRoles]:
+    """The endpoint and server/worker roles both ends of the sharded PS start from."""
+    if colocated and loopback is None:
+        raise ValueError("a co-located server and worker must share a Loopback "
+                         "(use netdist.ps.ColocatedPS)")
+    endpoint = Endpoint(group, timeout, loopback if colocated else None)
+    return endpoint, ps_roles(endpoint.world_size, num_servers, colocated=colocated)
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:

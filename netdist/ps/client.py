@@ -31,7 +31,7 @@ import msgpack
 import numpy as np
 
 from netdist.errors import NetdistError, ParameterServerError, PeerLostError
-from netdist.ps._link import Endpoint, GroupLike, Loopback, run_all
+from netdist.ps._link import open_endpoint, GroupLike, Loopback, run_all
 from netdist.ps.protocol import (
     NO_STALENESS_BOUND,
     PULL,
@@ -53,7 +53,6 @@ from netdist.ps.state import (
     ShardPlan,
     plan_segments,
     plan_shards,
-    ps_roles,
     specs_from_arrays,
 )
 from netdist.transport.base import Transport
@@ -79,11 +78,8 @@ class PSClient:
     def __init__(self, group: GroupLike | Transport, *, num_servers: int,
                  timeout: float | None = None, tag_base: int = SHARDED_TAG_BASE,
                  colocated: bool = False, loopback: Loopback | None = None) -> None:
-        if colocated and loopback is None:
-            raise ValueError("a co-located server and worker must share a Loopback "
-                             "(use netdist.ps.ColocatedPS)")
-        self._ep = Endpoint(group, timeout, loopback if colocated else None)
-        self.roles = ps_roles(self._ep.world_size, num_servers, colocated=colocated)
+        self._ep, self.roles = open_endpoint(group, num_servers=num_servers, timeout=timeout,
+                                             colocated=colocated, loopback=loopback)
         if not self.roles.is_worker(self._ep.rank):
             raise ParameterServerError(
                 f"rank {self._ep.rank} is a server rank (servers are ranks "

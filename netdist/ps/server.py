@@ -46,7 +46,7 @@ from netdist.errors import (
     ParameterServerError,
     PeerLostError,
 )
-from netdist.ps._link import Endpoint, GroupLike, Loopback, RankFailure, first_error, run_all
+from netdist.ps._link import open_endpoint, GroupLike, Loopback, RankFailure, first_error, run_all
 from netdist.ps.protocol import (
     NO_STALENESS_BOUND,
     PULL,
@@ -69,7 +69,6 @@ from netdist.ps.state import (
     optimizer_config_from_dict,
     plan_segments,
     plan_shards,
-    ps_roles,
 )
 from netdist.transport.base import Transport
 from netdist.types import dtype_from_wire
@@ -105,11 +104,8 @@ class PSServer:
     def __init__(self, group: GroupLike | Transport, *, num_servers: int,
                  timeout: float | None = None, tag_base: int = SHARDED_TAG_BASE,
                  colocated: bool = False, loopback: Loopback | None = None) -> None:
-        if colocated and loopback is None:
-            raise ValueError("a co-located server and worker must share a Loopback "
-                             "(use netdist.ps.ColocatedPS)")
-        self._ep = Endpoint(group, timeout, loopback if colocated else None)
-        self.roles = ps_roles(self._ep.world_size, num_servers, colocated=colocated)
+        self._ep, self.roles = open_endpoint(group, num_servers=num_servers, timeout=timeout,
+                                             colocated=colocated, loopback=loopback)
         if not self.roles.is_server(self._ep.rank):
             raise ParameterServerError(
                 f"rank {self._ep.rank} is a worker rank (servers are ranks "
