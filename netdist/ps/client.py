@@ -31,7 +31,7 @@ import msgpack
 import numpy as np
 
 from netdist.errors import NetdistError, ParameterServerError, PeerLostError
-from netdist.ps._link import open_endpoint, GroupLike, Loopback, run_all
+from netdist.ps._link import GroupLike, Loopback, open_endpoint, run_all
 from netdist.ps.protocol import (
     NO_STALENESS_BOUND,
     PULL,

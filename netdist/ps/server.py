@@ -46,7 +46,7 @@ from netdist.errors import (
     ParameterServerError,
     PeerLostError,
 )
-from netdist.ps._link import open_endpoint, GroupLike, Loopback, RankFailure, first_error, run_all
+from netdist.ps._link import GroupLike, Loopback, RankFailure, first_error, open_endpoint, run_all
 from netdist.ps.protocol import (
     NO_STALENESS_BOUND,
     PULL,

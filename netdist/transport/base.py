@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from netdist.errors import TransportClosedError
+
 __all__ = ["Transport", "MAX_TAG", "as_payload_array"]
 
 MAX_TAG = 2**63 - 1
@@ -99,6 +101,19 @@ class Transport(abc.ABC):
             raise ValueError(f"{what} {peer} is outside 0..{self.world_size - 1}")
         if peer == self.rank:
             raise ValueError(f"{what} {peer} is this rank; send/recv need another rank")
+
+    def check_open(self, op: str) -> None:
+        """Raise ``TransportClosedError`` naming ``op`` once the transport is closed."""
+        if self.closed:
+            raise TransportClosedError(f"{op} on rank {self.rank}: transport is closed")
+
+    @staticmethod
+    def check_tag(tag: int) -> int:
+        """Return ``tag`` as an int; ``ValueError`` unless it is an int in 0..MAX_TAG."""
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) \
+                or not 0 <= tag <= MAX_TAG:
+            raise ValueError(f"tag must be an int in 0..2**63-1, got {tag!r}")
+        return int(tag)
 
     async def __aenter__(self) -> Transport:
         return self

@@ -15,7 +15,7 @@ import numpy as np
 
 from netdist.errors import PeerLostError, TransportClosedError
 from netdist.transport.barrier import dissemination_barrier
-from netdist.transport.base import MAX_TAG, Transport, as_payload_array
+from netdist.transport.base import Transport, as_payload_array
 from netdist.transport.mailbox import PeerMailbox, byte_view
 
 __all__ = ["InProcessTransport"]
@@ -55,25 +55,16 @@ class InProcessTransport(Transport):
     def closed(self) -> bool:
         return self._closed
 
-    def _check_open(self, op: str) -> None:
-        if self._closed:
-            raise TransportClosedError(f"{op} on rank {self.rank}: transport is closed")
-
-    @staticmethod
-    def _check_tag(tag: int) -> None:
-        if not isinstance(tag, (int, np.integer)) or not 0 <= tag <= MAX_TAG:
-            raise ValueError(f"tag must be an int in 0..2**63-1, got {tag!r}")
-
     async def send(self, dst: int, data: Any, *, tag: int = 0,
                    timeout: float | None = None) -> None:
-        self._check_open("send")
+        self.check_open("send")
         self.check_peer(dst, "dst")
-        self._check_tag(tag)
+        tag = self.check_tag(tag)
         array = as_payload_array(data)
         peer = self._hub.transports[dst]
         if peer.closed:
             raise PeerLostError(dst, f"send to rank {dst} (tag {tag}): rank {dst} has closed")
-        landing = self._hub.boxes[dst][self.rank].claim(int(tag), array.dtype, array.shape)
+        landing = self._hub.boxes[dst][self.rank].claim(tag, array.dtype, array.shape)
         if array.nbytes:
             landing.buffer[...] = byte_view(array)
         landing.complete()
@@ -81,14 +72,14 @@ class InProcessTransport(Transport):
 
     async def recv(self, src: int, *, tag: int = 0, out: np.ndarray | None = None,
                    timeout: float | None = None) -> np.ndarray:
-        self._check_open("recv")
+        self.check_open("recv")
         self.check_peer(src, "src")
-        self._check_tag(tag)
+        tag = self.check_tag(tag)
         box = self._hub.boxes[self.rank][src]
-        return await box.recv(int(tag), out, self.timeout if timeout is None else timeout)
+        return await box.recv(tag, out, self.timeout if timeout is None else timeout)
 
     async def barrier(self, *, timeout: float | None = None) -> None:
-        self._check_open("barrier")
+        self.check_open("barrier")
         await dissemination_barrier(self, self.timeout if timeout is None else timeout)
 
     async def aclose(self) -> None:

@@ -310,17 +310,6 @@ class TcpTransport(Transport):
     def closed(self) -> bool:
         return self._closed
 
-    def _check_open(self, op: str) -> None:
-        if self._closed:
-            raise TransportClosedError(f"{op} on rank {self.rank}: transport is closed")
-
-    @staticmethod
-    def _check_tag(tag: int) -> int:
-        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)) \
-                or not 0 <= tag <= MAX_TAG:
-            raise ValueError(f"tag must be an int in 0..2**63-1, got {tag!r}")
-        return int(tag)
-
     def _peer_index(self, peer: Any, what: str) -> int:
         """``peer`` as a list index, validated (cheap for the common case)."""
         if type(peer) is int and 0 <= peer < self.world_size and peer != self.rank:
@@ -338,10 +327,10 @@ class TcpTransport(Transport):
         going out fails the connection to ``dst`` (see ``Transport.send``).
         """
         if self._closed:
-            self._check_open("send")
+            self.check_open("send")
         dst = self._peer_index(dst, "dst")
         if type(tag) is not int or not 0 <= tag <= MAX_TAG:
-            tag = self._check_tag(tag)
+            tag = self.check_tag(tag)
         buffers = encode_data(data, tag=tag, limits=self._limits)
         conn = self._connections[dst]
         if conn is None:
@@ -360,10 +349,10 @@ class TcpTransport(Transport):
         letting the rest of the frame write into memory the caller got back.
         """
         if self._closed:
-            self._check_open("recv")
+            self.check_open("recv")
         src = self._peer_index(src, "src")
         if type(tag) is not int or not 0 <= tag <= MAX_TAG:
-            tag = self._check_tag(tag)
+            tag = self.check_tag(tag)
         box = self._mailboxes[src]
         if box is None:  # pragma: no cover - _peer_index excludes our own rank
             raise ValueError(f"src {src} is this rank")
@@ -377,7 +366,7 @@ class TcpTransport(Transport):
 
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Dissemination barrier (ceil(log2 n) rounds); ``NetdistTimeoutError`` on timeout."""
-        self._check_open("barrier")
+        self.check_open("barrier")
         await dissemination_barrier(self, self.timeout if timeout is None else timeout)
 
     async def aclose(self) -> None:
