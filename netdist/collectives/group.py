@@ -133,7 +133,6 @@ _GID_LIMIT = (1 << 40) - 1  # the all-ones id is excluded: it would reach MAX_TA
 _P2P_BIT = 1 << 21
 _SEQ_SHIFT = 4
 _SEQ_MASK = (1 << 17) - 1
-_ROOT_COUNTER_ATTR = "_netdist_groups_created"
 _PROBE_TAG = P2P_TAG_LIMIT  # just above the application's p2p tags: never sent on
 _PROBE_SECONDS = 0.02
 
@@ -211,13 +210,8 @@ class Group:
         if not isinstance(pipeline_depth, int) or pipeline_depth < 1:
             raise ValueError(f"pipeline_depth must be an int >= 1, got {pipeline_depth!r}")
         timeout = _timeout_value(timeout, "timeout")
-        created = getattr(transport, _ROOT_COUNTER_ATTR, 0)
-        try:
-            setattr(transport, _ROOT_COUNTER_ATTR, created + 1)
-        except AttributeError:  # a transport with __slots__: only one root group is safe
-            pass
         self._setup(transport, tuple(range(transport.world_size)),
-                    _group_id("root", created),
+                    _group_id("root", transport.next_root_group()),
                     _transport_timeout(transport) if timeout is None else timeout,
                     small_message_bytes, segment_bytes, pipeline_depth)
 

@@ -102,6 +102,16 @@ class Transport(abc.ABC):
         if peer == self.rank:
             raise ValueError(f"{what} {peer} is this rank; send/recv need another rank")
 
+    def next_root_group(self) -> int:
+        """Number the next root ``Group`` built on this transport: 0, 1, 2, ...
+
+        Every rank builds its root groups in the same order, so equal numbers name the
+        same group on every rank and give it the same tag namespace.
+        """
+        created: int = getattr(self, "_root_groups_created", 0)
+        self._root_groups_created = created + 1
+        return created
+
     def check_open(self, op: str) -> None:
         """Raise ``TransportClosedError`` naming ``op`` once the transport is closed."""
         if self.closed:
