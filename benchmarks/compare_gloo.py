@@ -204,6 +204,85 @@ def _raw_ceiling(size: int = 64 * 1024 * 1024, count: int = 8,
     return size / statistics.median(times) / 1e9
 
 
+def _raw_ring_ceiling(n: int, size: int = 64 * 1024 * 1024, count: int = 6,
+                      warmup: int = 2) -> float:
+    """Blocking-socket throughput (GB/s) per link of an ``n``-process ring, all links busy.
+
+    Every process sends ``size``-byte messages to the next (in a thread) while it receives
+    from the previous, from and into real (touched) memory: the data movement of every
+    step of a ring collective. A ring collective's busbw is the bytes each rank sends
+    divided by its time, so on this host no TCP ring collective's busbw can exceed this
+    figure (and, since every byte costs two kernel copies on shared cores, no other
+    algorithm that sends the bandwidth-optimal bytes can either). Measured by rank 0 over
+    ``count`` back-to-back messages after ``warmup``.
+    """
+    import threading
+
+    import numpy as np
+
+    listeners = []
+    for _ in range(n):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        listeners.append(listener)
+    ports = [listener.getsockname()[1] for listener in listeners]
+
+    def rank_main(rank: int) -> float:
+        for other, listener in enumerate(listeners):
+            if other != rank:
+                listener.close()
+        out = socket.create_connection(("127.0.0.1", ports[(rank + 1) % n]), timeout=120)
+        inc, _ = listeners[rank].accept()
+        listeners[rank].close()
+        for sock in (out, inc):
+            sock.settimeout(120)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        payload = np.ones(size, np.uint8)
+        view = memoryview(np.zeros(size, np.uint8))
+        total = warmup + count
+
+        def send_all() -> None:
+            for _ in range(total):
+                out.sendall(payload)
+
+        sender = threading.Thread(target=send_all, daemon=True)
+        sender.start()
+        started = time.perf_counter()
+        for i in range(total):
+            if i == warmup:
+                started = time.perf_counter()
+            got = 0
+            while got < size:
+                got += inc.recv_into(view[got:])
+        elapsed = time.perf_counter() - started
+        sender.join(timeout=120)
+        out.close()
+        inc.close()
+        return count * size / elapsed / 1e9
+
+    children = []
+    for rank in range(1, n):
+        pid = os.fork()
+        if pid == 0:  # child: one ring member
+            try:
+                rank_main(rank)
+            finally:
+                os._exit(0)
+        children.append(pid)
+    try:
+        rate = rank_main(0)
+    finally:
+        for pid in children:
+            os.waitpid(pid, 0)
+    return rate
+
+
+SPEEDUP_TARGETS = {"all_reduce": 1.5, "reduce_scatter": 2.0, "all_gather": 2.0}
+"""busbw targets relative to Gloo (issue 3); these ops' busbw is the bytes each rank
+sends per second, so the ring ceiling bounds them."""
+
+
 # -- orchestration ----------------------------------------------------------------------
 
 def _run_backend(backend: str, n: int, spec: dict[str, Any], timeout: float) -> list[dict]:
@@ -292,7 +371,10 @@ def main(argv: list[str] | None = None) -> int:
             nd_runs.append(_run_backend("netdist", n, spec, args.child_timeout))
         gloo = _median_rows(gloo_runs)
         nd = _median_rows(nd_runs)
+        ring = _raw_ring_ceiling(n)
         print(f"\n# world size {n}: median of {args.repeats} runs x {args.iters} iterations")
+        print(f"# raw ring ceiling: {n} processes, blocking sockets, every link busy: "
+              f"{ring:.2f} GB/s per link = the highest busbw any ring collective can reach")
         print(f"# {'op':<15}{'size':>8} {'gloo time':>11} {'netdist time':>13} "
               f"{'gloo busbw':>11} {'netdist busbw':>14} {'speedup':>8}  check")
         for key in sorted(nd, key=lambda k: (ops.index(k[0]), k[1])):
@@ -316,9 +398,15 @@ def main(argv: list[str] | None = None) -> int:
                      "netdist_s": t_nd, "gloo_busbw": bw_g, "netdist_busbw": bw_nd,
                      "speedup": speedup, "check": check}
             report.append(entry)
-            if n == 2 and op == "all_reduce" and bw_nd and size >= 16 * 1024 * 1024:
-                print(f"  {'':<23}netdist busbw = {bw_nd / ceiling:.0%} of the one-way "
-                      f"ceiling, {bw_nd / ceiling2:.0%} of the both-ways ceiling")
+            entry["ring_ceiling_gbps"] = ring
+            if op in SPEEDUP_TARGETS and bw_nd and size >= 16 * 1024 * 1024:
+                factor_target = SPEEDUP_TARGETS[op]
+                need = "" if bw_g is None else (
+                    f"; {factor_target:g}x Gloo would be {factor_target * bw_g / ring:.0%} "
+                    "of it")
+                print(f"  {'':<23}netdist busbw = {bw_nd / ring:.0%} of the ring ceiling"
+                      f"{need}" + (f"; {bw_nd / ceiling:.0%} of the one-way ceiling"
+                                   if n == 2 else ""))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"ceiling_one_way_gbps": ceiling, "ceiling_both_ways_gbps": ceiling2,

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from netdist.errors import LocalProtocolError, NetdistTimeoutError
+from netdist.transport.spin import SpinPolicy
 
 __all__ = ["PeerMailbox", "Landing", "check_out_buffer", "byte_view"]
 
@@ -88,9 +89,11 @@ class Landing:
 class PeerMailbox:
     """Receive state for messages from one peer rank."""
 
-    def __init__(self, peer: int, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, peer: int, loop: asyncio.AbstractEventLoop | None = None,
+                 spin: SpinPolicy | None = None) -> None:
         self.peer = peer
         self._loop = loop
+        self._spin = spin
         self._posted: dict[int, deque[_PostedRecv]] = {}
         self._unexpected: dict[int, deque[asyncio.Future[np.ndarray]]] = {}
         self._failure: Callable[[], Exception] | None = None
@@ -186,6 +189,9 @@ class PeerMailbox:
             raise self._failure()
         entry = _PostedRecv(self._new_future(), out)
         self._posted.setdefault(tag, deque()).append(entry)
+        spin = self._spin
+        if spin is not None and spin.applies_to(out):
+            spin.watch(loop, entry.future)
         return await self._wait(entry.future, tag, timeout, started, withdraw=entry)
 
     async def _wait(self, future: asyncio.Future[np.ndarray], tag: int, timeout: float,

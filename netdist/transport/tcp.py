@@ -48,6 +48,7 @@ from netdist.transport.connection import (
     run_handshake,
 )
 from netdist.transport.mailbox import PeerMailbox
+from netdist.transport.spin import SpinPolicy, default_spin_seconds, ranks_sharing_host
 from netdist.transport.rendezvous import (
     Coordinator,
     OnCoordinatorReady,
@@ -82,8 +83,10 @@ class TcpTransport(Transport):
         self._limits = config.limits
         self._loop = asyncio.get_running_loop()
         self._identity = rendezvous_identity(config)
+        self.spin = SpinPolicy()
+        """Busy-poll budget of small receives; set from ``config.spin_us`` on connect."""
         self._mailboxes: list[PeerMailbox | None] = [
-            None if peer == self.rank else PeerMailbox(peer, self._loop)
+            None if peer == self.rank else PeerMailbox(peer, self._loop, self.spin)
             for peer in range(self.world_size)]
         self._connections: list[FrameConnection | None] = [None] * self.world_size
         self._handshaking: set[FrameConnection] = set()
@@ -147,6 +150,9 @@ class TcpTransport(Transport):
         finally:
             await client.aclose()
         self.peer_addresses = table
+        self.spin.seconds = (default_spin_seconds(
+                ranks_sharing_host((entry.host for entry in table), advertise))
+                             if config.spin_us is None else config.spin_us * 1e-6)
         if self._coordinator is not None:
             await self._coordinator.wait_finished(config.connect_timeout)
             await self._coordinator.aclose()
