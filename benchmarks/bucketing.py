@@ -11,10 +11,14 @@ on 127.0.0.1 started by ``netdist.launcher.launch``:
 - ``per-tensor``: ``await group.all_reduce(g, op=MEAN)`` for each tensor in turn, as a
   naive training loop would;
 - ``per-tensor, all in flight``: every tensor's all-reduce issued with ``async_op=True``
-  at once, then awaited (for reference: concurrency alone, without fusion).
+  at once, then awaited (for reference: concurrency alone, without fusion);
+- ``one flat all-reduce (floor)``: one all-reduce of a single array holding all the
+  bytes: the bandwidth floor no bucketing can beat, so ``per-tensor / floor`` bounds
+  the speedup bucketing can show on this machine.
 
 Each step starts after a barrier; a step's time is the slowest rank's; the median over
-``--steps`` steps is reported (after one warm-up step per method).
+``--steps`` steps is reported (after one warm-up round). The methods take turns step by
+step, so background load hits all of them alike.
 
     python benchmarks/bucketing.py                       # n=4, 200 tensors, 25 MiB buckets
     python benchmarks/bucketing.py --nprocs 4 --steps 5 --bucket-mb 4 --json out.json
@@ -33,6 +37,10 @@ HERE = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+
+FLOOR = "one flat all-reduce (floor)"
+"""The same bytes as one preallocated array: what any bucketing scheme can at best reach."""
 
 
 def _model(num_tensors: int, seed: int):
@@ -78,21 +86,25 @@ async def _worker(args: argparse.Namespace) -> None:
             for w in works:
                 await w
 
+        flat = np.concatenate(grads)
+
+        async def one_flat() -> None:
+            await group.all_reduce(flat, op=ReduceOp.MEAN)
+
         methods = {"bucketed": bucketed, "bucketed, grads in buckets": bucket_views,
                    "per-tensor": per_tensor,
-                   "per-tensor, all in flight": per_tensor_in_flight}
-        results: dict[str, list[float]] = {}
-        for name, fn in methods.items():
-            times = []
-            for i in range(args.steps + 1):  # the first step warms up
+                   "per-tensor, all in flight": per_tensor_in_flight,
+                   FLOOR: one_flat}
+        results: dict[str, list[float]] = {name: [] for name in methods}
+        for i in range(args.steps + 1):  # the first round warms up
+            for name, fn in methods.items():  # interleaved: load hits every method alike
                 await group.barrier()
                 start = time.perf_counter()
                 await fn()
                 local = np.array([time.perf_counter() - start])
                 await group.all_reduce(local, op=ReduceOp.MAX)
                 if i:
-                    times.append(float(local[0]))
-            results[name] = times
+                    results[name].append(float(local[0]))
         # correctness: the aggregator's last output is the mean over ranks of base*(r+1)
         check = [g.copy() for g in base]
         out = await AllReduceAggregator(group, bucket_mb=args.bucket_mb).aggregate(
@@ -121,6 +133,10 @@ async def _worker(args: argparse.Namespace) -> None:
                   f"{med['per-tensor, all in flight'] / med['bucketed']:.1f}x / "
                   f"{med['per-tensor, all in flight'] / med[views_name]:.1f}x; "
                   f"result correct: {ok}")
+            print(f"  the floor (one all-reduce of all {total / 2**20:.1f} MiB, no packing) "
+                  f"bounds the speedup at {med['per-tensor'] / med[FLOOR]:.1f}x; bucketed "
+                  f"takes {med['bucketed'] / med[FLOOR]:.2f}x the floor, grads in buckets "
+                  f"{med[views_name] / med[FLOOR]:.2f}x")
             if args.json:
                 with open(args.json, "w", encoding="utf-8") as f:
                     json.dump(report, f, indent=2)

@@ -480,14 +480,15 @@ class Group:
 
         async def body(chan: Channel) -> np.ndarray:
             if n > 1 and flat.size:
+                mean = op is ReduceOp.MEAN
                 if flat.nbytes <= self.small_message_bytes:
                     await doubling_all_reduce(chan, flat, op)
+                    if mean:
+                        np.divide(flat, n, out=flat)
                 else:
                     await ring_all_reduce(chan, flat, op,
                                           self._segment(flat.dtype, flat.nbytes // n, PIECES),
-                                          self.pipeline_depth)
-                if op is ReduceOp.MEAN:
-                    np.divide(flat, n, out=flat)
+                                          self.pipeline_depth, divisor=n if mean else None)
             if work is not array:
                 array[...] = work
             return array

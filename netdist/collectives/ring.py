@@ -153,11 +153,15 @@ def _ring_sends(plan: RingPlan, flat: np.ndarray) -> list[tuple[np.ndarray, int]
 
 
 async def ring_all_reduce(chan: Channel, flat: np.ndarray, op: ReduceOp, segment: int,
-                          depth: int = DEFAULT_DEPTH) -> None:
+                          depth: int = DEFAULT_DEPTH, divisor: int | None = None) -> None:
     """Ring reduce-scatter then ring all-gather of the 1-D ``flat``, in place.
 
     Reduce-scatter segments land in ``depth`` rotating scratch segments (from the
     group's scratch pool) and are reduced into place; all-gather segments land in place.
+    ``divisor`` (``MEAN``'s ``n``) divides each segment of this rank's own chunk right
+    after its last reduction, while it is still in cache, so the all-gather spreads the
+    means and nobody makes a pass over the whole array afterwards (the same division,
+    so the same bits, as dividing the whole sum).
     """
     n = chan.world_size
     plan = chan.plan(ring_all_reduce_plan, chan.rank, n, flat.size, segment)
@@ -172,11 +176,15 @@ async def ring_all_reduce(chan: Channel, flat: np.ndarray, op: ReduceOp, segment
             else:
                 recvs.append((flat[r.start:r.stop], -1, -1))
         plan_recvs = plan.recvs
+        last_reduce_step = n - 2
 
         def combine(j: int) -> None:
             r = plan_recvs[j]
             if r.reduce:
-                reduce_into(op, flat[r.start:r.stop], recvs[j][0])
+                target = flat[r.start:r.stop]
+                reduce_into(op, target, recvs[j][0])
+                if divisor is not None and r.step == last_reduce_step:
+                    np.divide(target, divisor, out=target)
 
         await run_pipeline(chan, plan.send_to, _ring_sends(plan, flat), plan.recv_from,
                            recvs, combine)

@@ -482,3 +482,23 @@ def test_segment_sizes_adapt_to_the_message() -> None:
         Group(transport, small_message_bytes=-1)
     with pytest.raises(TypeError):
         Group(object())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize(("n", "size"), [(2, 1), (3, 10), (5, 37), (7, 100)])
+async def test_ring_mean_is_the_sum_divided_once(n: int, size: int, dtype: type) -> None:
+    """The ring divides each rank's own chunk after its last reduction; the result must
+    be bit for bit what dividing the finished sum by n gives, on every rank."""
+    rng = np.random.default_rng(n * 1000 + size)
+    data = [rng.standard_normal(size).astype(dtype) for _ in range(n)]
+
+    async def body(g: Group) -> tuple[np.ndarray, np.ndarray]:
+        total = await g.all_reduce(data[g.rank].copy(), ReduceOp.SUM, timeout=5)
+        mean = await g.all_reduce(data[g.rank].copy(), ReduceOp.MEAN, timeout=5)
+        return total, mean
+
+    results = await run_inprocess(n, body, small_message_bytes=RING, segment_bytes=8)
+    expected = np.divide(results[0][0], n)
+    for _, mean in results:
+        assert mean.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(mean.view(np.uint8), expected.view(np.uint8))
