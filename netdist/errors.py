@@ -91,7 +91,16 @@ class ConnectError(TransportError):
 
 
 class AuthenticationError(ConnectError):
-    """The handshake was refused: wrong token, job id, protocol version or rank."""
+    """The handshake was refused: wrong token, job id, protocol version or rank.
+
+    ``code`` names the kind of refusal when the refusing side said it (the ERROR frame's
+    ``code``: ``"version"``, ``"job_id"``, ``"world_size"``, ``"rank_range"``, ``"role"``,
+    ``"rank"``, ``"token"``), so callers can act on it without parsing the message.
+    """
+
+    def __init__(self, message: str = "", code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class PeerLostError(TransportError):

@@ -315,7 +315,7 @@ class RendezvousClient:
             except AuthenticationError as exc:
                 conn.close(send_bye=False)
                 await conn.wait_closed(1.0)
-                if "world size" in str(exc) or "is outside 0.." in str(exc):
+                if exc.code in ("world_size", "rank_range"):
                     raise RendezvousError(str(exc)) from None
                 raise
             except ConnectError:

@@ -176,22 +176,33 @@ def _check_identity_fields(fields: dict[str, Any], what: str) -> str | None:
     return None
 
 
-def _compare_identity(me: HandshakeIdentity, fields: dict[str, Any]) -> str | None:
-    """The first mismatch between our identity and the peer's fields (theirs != ours)."""
+def _compare_identity(me: HandshakeIdentity,
+                      fields: dict[str, Any]) -> tuple[str, str] | None:
+    """The first mismatch between our identity and the peer's fields (theirs != ours), as
+    ``(code, reason)``: the code goes into the ERROR frame so the other side can act on
+    the kind of refusal without parsing the text."""
     if fields["version"] != PROTOCOL_VERSION:
-        return f"protocol version {fields['version']} != {PROTOCOL_VERSION}"
+        return "version", f"protocol version {fields['version']} != {PROTOCOL_VERSION}"
     if fields["job_id"] != me.job_id:
-        return f"job id {_short(fields['job_id'])} != {me.job_id!r}"
+        return "job_id", f"job id {_short(fields['job_id'])} != {me.job_id!r}"
     if fields["world_size"] != me.world_size:
-        return f"world size {fields['world_size']} != {me.world_size}"
+        return "world_size", f"world size {fields['world_size']} != {me.world_size}"
     rank = fields["rank"]
     if not 0 <= rank < me.world_size:
-        return f"rank {rank} is outside 0..{me.world_size - 1}"
+        return "rank_range", f"rank {rank} is outside 0..{me.world_size - 1}"
     return None
 
 
-def _error_frame(me: HandshakeIdentity, reason: str) -> bytes:
-    return encode_control(FrameKind.ERROR, {"reason": reason, "rank": me.rank, "role": me.role})
+def _error_frame(me: HandshakeIdentity, reason: str, code: str | None = None) -> bytes:
+    fields: dict[str, Any] = {"reason": reason, "rank": me.rank, "role": me.role}
+    if code is not None:
+        fields["code"] = code
+    return encode_control(FrameKind.ERROR, fields)
+
+
+def _peer_code(frame: ControlFrame) -> str | None:
+    code = frame.fields.get("code")
+    return code if type(code) is str and code else None
 
 
 def _peer_reason(frame: ControlFrame) -> str:
@@ -237,19 +248,21 @@ class ClientHandshake:
     def _peer_rank(self) -> int | None:
         return None if self._peer is None else self._peer["rank"]
 
-    def _reject(self, reason: str, claimed: dict[str, Any] | None = None) -> HandshakeStep:
+    def _reject(self, reason: str, claimed: dict[str, Any] | None = None,
+                code: str | None = None) -> HandshakeStep:
         """We refuse the peer: tell it why and fail."""
         self._state = "failed"
         error = AuthenticationError(f"{self.me.describe()} rejected "
-                                    f"{self._peer_desc(claimed)}{_at(self.peer_label)}: {reason}")
-        return HandshakeStep(_error_frame(self.me, reason), True, error, self._peer_rank())
+                                    f"{self._peer_desc(claimed)}{_at(self.peer_label)}: {reason}",
+                                    code=code)
+        return HandshakeStep(_error_frame(self.me, reason, code), True, error, self._peer_rank())
 
     def _refused(self, frame: ControlFrame) -> HandshakeStep:
         """The peer refused us with an ERROR frame."""
         self._state = "failed"
         error = AuthenticationError(
             f"{self._peer_desc(frame.fields)}{_at(self.peer_label)} refused "
-            f"{self.me.describe()}: {_peer_reason(frame)}")
+            f"{self.me.describe()}: {_peer_reason(frame)}", code=_peer_code(frame))
         return HandshakeStep(None, True, error, self._peer_rank())
 
     def initiate(self) -> bytes:
@@ -298,14 +311,14 @@ class ClientHandshake:
             return self._reject(problem, fields)
         self._peer = fields
         me = self.me
-        problem = _compare_identity(me, fields)
-        if problem is None and fields["role"] != self.expect_role:
-            problem = f"role {fields['role']!r} != expected {self.expect_role!r}"
-        if (problem is None and self.expect_rank is not None
+        mismatch = _compare_identity(me, fields)
+        if mismatch is None and fields["role"] != self.expect_role:
+            mismatch = "role", f"role {fields['role']!r} != expected {self.expect_role!r}"
+        if (mismatch is None and self.expect_rank is not None
                 and fields["rank"] != self.expect_rank):
-            problem = f"rank {fields['rank']} != expected {self.expect_rank}"
-        if problem is not None:
-            return self._reject(problem)
+            mismatch = "rank", f"rank {fields['rank']} != expected {self.expect_rank}"
+        if mismatch is not None:
+            return self._reject(mismatch[1], code=mismatch[0])
         params = dict(version=PROTOCOL_VERSION, job_id=me.job_id, world_size=me.world_size,
                       client_rank=me.rank, client_role=me.role,
                       server_rank=fields["rank"], server_role=fields["role"],
@@ -313,7 +326,7 @@ class ClientHandshake:
         key = me.key
         expected = compute_proof(key, mac_input(PROOF_BY_ACCEPTOR, **params))
         if not hmac.compare_digest(expected, fields["proof"]):
-            return self._reject(TOKEN_MISMATCH)
+            return self._reject(TOKEN_MISMATCH, code="token")
         proof = compute_proof(key, mac_input(PROOF_BY_CONNECTOR, **params))
         self._state = "auth-sent"
         return HandshakeStep(encode_control(FrameKind.AUTH, {"proof": proof}), False, None,
@@ -346,11 +359,12 @@ class ServerHandshake:
     def _peer_rank(self) -> int | None:
         return None if self._peer is None else self._peer["rank"]
 
-    def _reject(self, reason: str) -> HandshakeStep:
+    def _reject(self, reason: str, code: str | None = None) -> HandshakeStep:
         self._state = "failed"
         src = f" from {self.peer_label}" if self.peer_label else ""
-        error = AuthenticationError(f"{self.me.describe()} rejected connection{src}: {reason}")
-        return HandshakeStep(_error_frame(self.me, reason), True, error, self._peer_rank())
+        error = AuthenticationError(f"{self.me.describe()} rejected connection{src}: {reason}",
+                                    code=code)
+        return HandshakeStep(_error_frame(self.me, reason, code), True, error, self._peer_rank())
 
     def _refused(self, frame: ControlFrame) -> HandshakeStep:
         self._state = "failed"
@@ -359,7 +373,8 @@ class ServerHandshake:
         who_rank = rank if rank is not None else (claimed if type(claimed) is int else None)
         who = _describe("rank", who_rank)
         error = AuthenticationError(f"{who}{_at(self.peer_label)} refused "
-                                    f"{self.me.describe()}: {_peer_reason(frame)}")
+                                    f"{self.me.describe()}: {_peer_reason(frame)}",
+                                    code=_peer_code(frame))
         return HandshakeStep(None, True, error, rank)
 
     def receive(self, frame: ControlFrame | Any) -> HandshakeStep:
@@ -390,9 +405,9 @@ class ServerHandshake:
         if problem is not None:
             return self._reject(problem)
         me = self.me
-        problem = _compare_identity(me, fields)
-        if problem is not None:
-            return self._reject(problem)
+        mismatch = _compare_identity(me, fields)
+        if mismatch is not None:
+            return self._reject(mismatch[1], code=mismatch[0])
         self._peer = fields
         rank = fields["rank"]
         if fields["role"] != "rank":
@@ -427,7 +442,7 @@ class ServerHandshake:
         proof = fields.get("proof")
         expected = compute_proof(self.me.key, mac_input(PROOF_BY_CONNECTOR, **self._params()))
         if type(proof) is not bytes or not hmac.compare_digest(expected, proof):
-            return self._reject(TOKEN_MISMATCH)
+            return self._reject(TOKEN_MISMATCH, code="token")
         rank: int = self._hello()["rank"]
         if self.accept_rank is not None:
             veto = self.accept_rank(rank)

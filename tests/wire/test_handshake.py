@@ -139,6 +139,11 @@ def both_errors(c: HandshakeStep, s: HandshakeStep) -> tuple[str, str]:
     return str(c.error), str(s.error)
 
 
+def both_codes(c: HandshakeStep, s: HandshakeStep) -> tuple[str | None, str | None]:
+    assert isinstance(c.error, AuthenticationError) and isinstance(s.error, AuthenticationError)
+    return c.error.code, s.error.code
+
+
 def test_job_id_mismatch() -> None:
     c, s, log = pair(ident(3, job="b"), ident(2, job="a"))
     client_msg, server_msg = both_errors(c, s)
@@ -146,7 +151,8 @@ def test_job_id_mismatch() -> None:
     assert client_msg == f"rank 2 at {SERVER_ADDR} refused rank 3: job id 'b' != 'a'"
     assert log == [FrameKind.HELLO, FrameKind.ERROR]
     assert decode(s.send).fields == {  # type: ignore[arg-type]
-        "reason": "job id 'b' != 'a'", "rank": 2, "role": "rank"}
+        "reason": "job id 'b' != 'a'", "rank": 2, "role": "rank", "code": "job_id"}
+    assert both_codes(c, s) == ("job_id", "job_id")
 
 
 def test_token_mismatch() -> None:
@@ -168,6 +174,7 @@ def test_token_versus_no_token(c_token: str | None, s_token: str | None) -> None
     client_msg, server_msg = both_errors(c, s)
     assert client_msg.endswith("authentication failed: token mismatch")
     assert server_msg.endswith("authentication failed: token mismatch")
+    assert both_codes(c, s) == ("token", "token")
 
 
 def test_world_size_mismatch() -> None:
@@ -175,6 +182,7 @@ def test_world_size_mismatch() -> None:
     client_msg, server_msg = both_errors(c, s)
     assert server_msg == f"rank 2 rejected connection from {CLIENT_ADDR}: world size 8 != 4"
     assert client_msg == f"rank 2 at {SERVER_ADDR} refused rank 3: world size 8 != 4"
+    assert both_codes(c, s) == ("world_size", "world_size")
 
 
 def test_connecting_to_itself_is_refused() -> None:
@@ -182,6 +190,7 @@ def test_connecting_to_itself_is_refused() -> None:
     client_msg, server_msg = both_errors(c, s)
     assert server_msg.endswith(": rank 2 is this rank")
     assert client_msg == f"rank 2 at {SERVER_ADDR} refused rank 2: rank 2 is this rank"
+    assert both_codes(c, s) == (None, None)
 
 
 def test_accept_rank_veto() -> None:
@@ -236,18 +245,19 @@ def _hello(**overrides: Any) -> ControlFrame:
 _DROP = object()
 
 
-@pytest.mark.parametrize("overrides, reason", [
-    ({"version": 2}, "protocol version 2 != 1"),
-    ({"rank": 4}, "rank 4 is outside 0..3"),
-    ({"rank": -1}, "rank -1 is outside 0..3"),
-    ({"nonce": b"short"}, "malformed HELLO: nonce must be 32 bytes"),
-    ({"nonce": _DROP}, "malformed HELLO: missing 'nonce'"),
-    ({"rank": "3"}, "malformed HELLO: 'rank' must be int, got str"),
-    ({"rank": True}, "malformed HELLO: 'rank' must be int, got bool"),
-    ({"role": "admin"}, "unknown role 'admin'"),
-    ({"job_id": "x" * 2000}, "malformed HELLO: job id longer than 1024 bytes"),
+@pytest.mark.parametrize("overrides, reason, code", [
+    ({"version": 2}, "protocol version 2 != 1", "version"),
+    ({"rank": 4}, "rank 4 is outside 0..3", "rank_range"),
+    ({"rank": -1}, "rank -1 is outside 0..3", "rank_range"),
+    ({"nonce": b"short"}, "malformed HELLO: nonce must be 32 bytes", None),
+    ({"nonce": _DROP}, "malformed HELLO: missing 'nonce'", None),
+    ({"rank": "3"}, "malformed HELLO: 'rank' must be int, got str", None),
+    ({"rank": True}, "malformed HELLO: 'rank' must be int, got bool", None),
+    ({"role": "admin"}, "unknown role 'admin'", None),
+    ({"job_id": "x" * 2000}, "malformed HELLO: job id longer than 1024 bytes", None),
 ])
-def test_server_refuses_bad_hello(overrides: dict[str, Any], reason: str) -> None:
+def test_server_refuses_bad_hello(overrides: dict[str, Any], reason: str,
+                                  code: str | None) -> None:
     server = ServerHandshake(ident(2), peer_label=CLIENT_ADDR)
     step = server.receive(_hello(**overrides))
     assert step.done and isinstance(step.error, AuthenticationError)
@@ -259,6 +269,9 @@ def test_server_refuses_bad_hello(overrides: dict[str, Any], reason: str) -> Non
     client.initiate()
     refused = client.receive(error)
     assert str(refused.error) == f"rank 2 at {SERVER_ADDR} refused rank 3: {reason}"
+    assert error.fields.get("code") == code
+    assert isinstance(refused.error, AuthenticationError) and refused.error.code == code
+    assert step.error.code == code
     assert refused.send is None and refused.done
 
 
