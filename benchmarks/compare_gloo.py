@@ -206,7 +206,7 @@ def _raw_ceiling(size: int = 64 * 1024 * 1024, count: int = 8,
 
 
 def _raw_ring_ceiling(n: int, size: int = 64 * 1024 * 1024, count: int = 6,
-                      warmup: int = 2) -> float:
+                      warmup: int = 2, with_cpu: bool = False) -> Any:
     """Raw socket throughput (GB/s) per link of an ``n``-process ring, all links busy.
 
     Every process streams ``size``-byte messages to the next while it receives from the
@@ -216,8 +216,10 @@ def _raw_ring_ceiling(n: int, size: int = 64 * 1024 * 1024, count: int = 6,
     rank sends divided by its time, so this figure is what such a collective can reach on
     this host; every byte costs two kernel copies on shared cores, so an algorithm that
     sends the bandwidth-optimal bytes any other way is bound alike. Measured by rank 0 over
-    ``count`` messages after ``warmup``.
+    ``count`` messages after ``warmup``. ``with_cpu``: return ``(rate, kernel seconds per
+    GB sent + received)``, both from rank 0.
     """
+    import resource
     import selectors
 
     import numpy as np
@@ -231,7 +233,7 @@ def _raw_ring_ceiling(n: int, size: int = 64 * 1024 * 1024, count: int = 6,
     ports = [listener.getsockname()[1] for listener in listeners]
     chunk = 4 * 1024 * 1024
 
-    def rank_main(rank: int) -> float:
+    def rank_main(rank: int) -> tuple[float, float]:
         for other, listener in enumerate(listeners):
             if other != rank:
                 listener.close()
@@ -246,6 +248,7 @@ def _raw_ring_ceiling(n: int, size: int = 64 * 1024 * 1024, count: int = 6,
         total = (warmup + count) * size
         sent = received = 0
         started = finished = time.perf_counter()
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         deadline = started + 300
         with selectors.DefaultSelector() as selector:
             selector.register(out, selectors.EVENT_WRITE)
@@ -270,15 +273,18 @@ def _raw_ring_ceiling(n: int, size: int = 64 * 1024 * 1024, count: int = 6,
                             raise ConnectionError("ring neighbour closed early")
                         if received + got >= total:
                             finished = time.perf_counter()
+                            kernel = resource.getrusage(resource.RUSAGE_SELF).ru_stime
                             selector.unregister(inc)
                         if received < warmup * size <= received + got:
                             started = time.perf_counter()  # warm-up done
+                            usage = resource.getrusage(resource.RUSAGE_SELF)
                         received += got
         if received < total:
             raise TimeoutError(f"raw ring rank {rank}: {received} of {total} bytes in 300 s")
         out.close()
         inc.close()
-        return count * size / (finished - started) / 1e9
+        return (count * size / (finished - started) / 1e9,
+                (kernel - usage.ru_stime) / (2 * count * size / 1e9))
 
     children = []
     for rank in range(1, n):
@@ -290,11 +296,11 @@ def _raw_ring_ceiling(n: int, size: int = 64 * 1024 * 1024, count: int = 6,
                 os._exit(0)
         children.append(pid)
     try:
-        rate = rank_main(0)
+        rate, kernel_per_gb = rank_main(0)
     finally:
         for pid in children:
             os.waitpid(pid, 0)
-    return rate
+    return (rate, kernel_per_gb) if with_cpu else rate
 
 
 SPEEDUP_TARGETS = {"all_reduce": 1.5, "reduce_scatter": 2.0, "all_gather": 2.0}
