@@ -64,12 +64,14 @@ async def _worker(args: argparse.Namespace) -> None:
         rank = group.rank
         base = _model(args.tensors, seed=1234)
         grads = [g * (rank + 1) for g in base]
-        agg = AllReduceAggregator(group, bucket_mb=args.bucket_mb)
+        agg = AllReduceAggregator(group, bucket_mb=args.bucket_mb,
+                                  max_in_flight=args.max_in_flight)
 
         async def bucketed() -> None:
             await agg.aggregate(grads)
 
-        view_agg = AllReduceAggregator(group, bucket_mb=args.bucket_mb)
+        view_agg = AllReduceAggregator(group, bucket_mb=args.bucket_mb,
+                                       max_in_flight=args.max_in_flight)
         views = view_agg.bucket_views(grads)
         for v, g in zip(views, grads):
             v[...] = g
@@ -149,6 +151,8 @@ def main() -> int:
     parser.add_argument("--tensors", type=int, default=200)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--max-in-flight", type=int, default=4,
+                        help="bucket all-reduces in flight at once (AllReduceAggregator)")
     parser.add_argument("--op-timeout", type=float, default=120.0)
     parser.add_argument("--timeout", type=float, default=900.0, help="whole-run bound")
     parser.add_argument("--json", default=None)
@@ -163,7 +167,7 @@ def main() -> int:
 
     cmd = [sys.executable, HERE, "--worker", "--tensors", str(args.tensors),
            "--steps", str(args.steps), "--bucket-mb", repr(args.bucket_mb),
-           "--op-timeout", repr(args.op_timeout)]
+           "--max-in-flight", str(args.max_in_flight), "--op-timeout", repr(args.op_timeout)]
     if args.json:
         cmd += ["--json", os.path.abspath(args.json)]
     return launch(cmd, args.nprocs, prefix_output=False, timeout=args.timeout)
