@@ -72,14 +72,6 @@ def _worker(spec: dict) -> None:
     run(main())
 
 
-def _parse_size(text: str) -> int:
-    units = {"K": 1024, "M": 1024**2, "G": 1024**3}
-    text = text.strip().upper()
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nprocs", type=int, default=4)
@@ -96,10 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.nprocs < 2 or args.iters < 1:
         parser.error("--nprocs must be >= 2 and --iters >= 1")
+    from netdist.collectives.bench import parse_size
     from netdist.launcher import launch
     from netdist.transport.spin import available_cpus
 
-    size = _parse_size(args.size)
+    size = parse_size(args.size)
     n, cores = args.nprocs, available_cpus()
     with tempfile.TemporaryDirectory() as tmp:
         spec = {"size": size, "iters": args.iters, "out": os.path.join(tmp, "rows.json")}
