@@ -15,9 +15,11 @@
 (``client.step(grads, out=[p.data for p in model.parameters()])`` does that in place)
 instead of running a local optimizer.
 
-Every request goes to all servers concurrently, one message per server and direction:
-the client packs this server's slices of every tensor into one flat buffer
-(``ShardPlan.pack``) and unpacks the replies the same way.
+Every request goes to all servers concurrently. To each server it is a control header
+and then that server's share in segments (``plan_segments``): a large slice travels as
+its own message, straight from and into the tensor's memory, and runs of small slices
+are packed into one. Only the initial values at init go as one flat buffer
+(``ShardPlan.pack``). docs/PROTOCOL.md section 9 gives the messages.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ specifications and error texts are msgpack or UTF-8 bytes, sent once).
 
 Tags live in two ranges below ``2**32`` (the range the transport leaves to applications;
 ``netdist.collectives`` allocates above it), one per mode, so a sync parameter server and
-a sharded one can share a transport. Each range is ``base + kind * 2**24 + index``: the
-kind selects the stream (gradients, averages, control, ...), the index a piece or
+a sharded one can share a transport. Each range is ``base + stream * 2**24 + index``: the
+stream is gradients, averages, control, ..., the index a piece or
 segment of it, so every piece has its own tag and posted receives can never be matched
 out of order.
 Pass a different ``tag_base`` to run two parameter servers of the same mode over one
@@ -95,7 +95,8 @@ class Kind(enum.IntEnum):
     ABORT = 4
     """worker -> server: the worker failed; error text follows on ERRMSG."""
     OK = 5
-    """server -> worker: [OK, version, max_staleness or -1, 0] (+ params for a pull)."""
+    """server -> worker: answering INIT ``[OK, 0, max_staleness or -1, 0]``; answering a
+    pull ``[OK, version, 0, 0]``, then the parameters."""
     ERROR = 6
     """server -> worker: [ERROR, culprit rank or -1, 0, 0]; error text follows."""
 

@@ -23,9 +23,9 @@ rank receives the very bytes the server computed. Training with ``n`` ranks of b
 ``b`` therefore matches single-process training with batch ``n*b`` up to the rounding of
 a mean of means (about 1e-16 relative per step).
 
-Failures end the round on every rank: a lost or timed-out worker makes the server raise
-``ParameterServerError`` naming it and send that text to every other worker, which raise
-it too; a lost server makes every worker raise ``ParameterServerError`` naming the server
+Failures end the round on every rank: a lost worker makes the server raise
+``ParameterServerError`` naming it (a silent one: ``NetdistTimeoutError``) and send that
+text to every other worker, which raise ``ParameterServerError``; a lost server makes every worker raise ``ParameterServerError`` naming the server
 rank. Nothing waits longer than the timeout.
 """
 
