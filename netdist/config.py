@@ -180,18 +180,14 @@ class DistributedConfig:
             value = _first(env, var)
             if value is not None:
                 values[key] = value
-        timeout = _first(env, "NETDIST_TIMEOUT")
-        if timeout is not None:
-            try:
-                values["timeout"] = float(timeout)
-            except ValueError:
-                raise ConfigError(f"NETDIST_TIMEOUT={timeout!r} is not a number of seconds") from None
-        spin = _first(env, "NETDIST_SPIN_US")
-        if spin is not None:
-            try:
-                values["spin_us"] = float(spin)
-            except ValueError:
-                raise ConfigError(f"NETDIST_SPIN_US={spin!r} is not a number of microseconds") from None
+        for key, var, unit in (("timeout", "NETDIST_TIMEOUT", "seconds"),
+                               ("spin_us", "NETDIST_SPIN_US", "microseconds")):
+            number = _first(env, var)
+            if number is not None:
+                try:
+                    values[key] = float(number)
+                except ValueError:
+                    raise ConfigError(f"{var}={number!r} is not a number of {unit}") from None
         if (_first(env, "NETDIST_INSECURE") or "").strip().lower() in ("1", "true", "yes"):
             values["insecure"] = True
 
