@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from netdist.optim_kernels import (adam_update, check_adam_hyperparameters, check_lr,
+from netdist.optim_kernels import (AdamHyperparameters, adam_update, check_lr,
                                     check_sgd_hyperparameters, sgd_update)
 
 __all__ = ["ShardedOptimizer", "ShardedSGD", "ShardedAdam", "sharded_optimizer_from"]
@@ -94,7 +94,7 @@ class ShardedSGD(ShardedOptimizer):
                    first_step=step == 1)
 
 
-class ShardedAdam(ShardedOptimizer):
+class ShardedAdam(AdamHyperparameters, ShardedOptimizer):
     """Adam with torch's bias correction, L2 ``weight_decay`` and optional AMSGrad.
 
     ``g = grad + weight_decay * p``; ``m = beta1 m + (1 - beta1) g``;
@@ -107,17 +107,7 @@ class ShardedAdam(ShardedOptimizer):
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False) -> None:
         super().__init__(lr)
-        beta1, beta2 = betas
-        check_adam_hyperparameters(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-        self.beta1 = float(beta1)
-        self.beta2 = float(beta2)
-        self.eps = float(eps)
-        self.weight_decay = float(weight_decay)
-        self.amsgrad = bool(amsgrad)
-
-    @property
-    def betas(self) -> tuple[float, float]:
-        return (self.beta1, self.beta2)
+        self._set_adam_hyperparameters(betas, eps, weight_decay, amsgrad)
 
     def state_keys(self) -> tuple[str, ...]:
         keys = ("exp_avg", "exp_avg_sq")

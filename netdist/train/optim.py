@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from netdist.optim_kernels import (adam_update, check_adam_hyperparameters, check_lr,
+from netdist.optim_kernels import (AdamHyperparameters, adam_update, check_lr,
                                     check_sgd_hyperparameters, sgd_update)
 from netdist.train.nn import Parameter
 
@@ -144,7 +144,7 @@ class SGD(Optimizer):
             state["momentum_buffer"] = buf
 
 
-class Adam(Optimizer):
+class Adam(AdamHyperparameters, Optimizer):
     """Adam with torch's bias correction and L2 ``weight_decay`` (added to the gradient).
 
     Per parameter: ``step += 1``; ``g = grad + weight_decay * p``;
@@ -160,17 +160,7 @@ class Adam(Optimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False) -> None:
         super().__init__(params, lr)
-        beta1, beta2 = betas
-        check_adam_hyperparameters(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-        self.beta1 = float(beta1)
-        self.beta2 = float(beta2)
-        self.eps = float(eps)
-        self.weight_decay = float(weight_decay)
-        self.amsgrad = bool(amsgrad)
-
-    @property
-    def betas(self) -> tuple[float, float]:
-        return (self.beta1, self.beta2)
+        self._set_adam_hyperparameters(betas, eps, weight_decay, amsgrad)
 
     def _update(self, p: Parameter, state: dict[str, Any]) -> None:
         if "step" not in state:
