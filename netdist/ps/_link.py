@@ -10,9 +10,11 @@ errors (``PeerLostError`` names the global rank, which ``group_rank`` maps back)
 
 from __future__ import annotations
 
+import abc
 import asyncio
 from collections.abc import Awaitable, Sequence
-from typing import Any, Protocol, TypeVar
+from types import TracebackType
+from typing import Any, Protocol, Self, TypeVar
 
 import numpy as np
 
@@ -21,8 +23,8 @@ from netdist.ps.state import PSRoles, ps_roles
 from netdist.transport.base import MAX_TAG, Transport, as_payload_array
 from netdist.transport.mailbox import PeerMailbox, byte_view
 
-__all__ = ["GroupLike", "Endpoint", "Loopback", "RankFailure", "run_all", "first_error",
-           "DEFAULT_TIMEOUT"]
+__all__ = ["GroupLike", "Endpoint", "Loopback", "RankFailure", "WorkerSession", "run_all",
+           "first_error", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 60.0
 """Used when neither the group nor the transport states a default timeout."""
@@ -54,6 +56,39 @@ class RankFailure(Exception):
         self.rank = rank
         self.what = what
         self.error = error
+
+
+class WorkerSession(abc.ABC):
+    """``async with`` for a parameter-server worker: leaving the block normally closes
+    it (the servers hear DONE); leaving on an exception aborts with that error, so the
+    servers and the other workers learn why instead of waiting for a timeout."""
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This worker's rank (named in the abort reason)."""
+
+    @abc.abstractmethod
+    async def close(self) -> Any:
+        """Finish normally."""
+
+    @abc.abstractmethod
+    async def abort(self, reason: str) -> None:
+        """Stop and tell every server ``reason``."""
+
+    async def aclose(self) -> None:
+        """Same as ``close``."""
+        await self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc is None:
+            await self.close()
+        else:
+            await self.abort(f"worker rank {self.rank} failed: {type(exc).__name__}: {exc}")
 
 
 class Loopback:

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 import msgpack
 import numpy as np
 
 from netdist.errors import NetdistError, ParameterServerError, PeerLostError
-from netdist.ps._link import GroupLike, Loopback, open_endpoint, run_all
+from netdist.ps._link import GroupLike, Loopback, WorkerSession, open_endpoint, run_all
 from netdist.ps.protocol import (
     NO_STALENESS_BOUND,
     PULL,
@@ -67,7 +66,7 @@ _ERRMSG_TIMEOUT = 5.0
 Tensors = Sequence[np.ndarray] | Mapping[str, np.ndarray]
 
 
-class PSClient:
+class PSClient(WorkerSession):
     """One worker's connection to the ``num_servers`` dedicated servers of its job.
 
     ``group`` is a ``netdist.collectives.Group`` or a ``Transport``; ranks
@@ -254,21 +253,6 @@ class PSClient:
                 pass
 
         await asyncio.gather(*(one(s) for s in range(self.num_servers)))
-
-    async def aclose(self) -> None:
-        """Same as ``close``."""
-        await self.close()
-
-    async def __aenter__(self) -> PSClient:
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
-        if exc is None:
-            await self.close()
-        else:
-            await self.abort(f"worker rank {self.rank} failed: "
-                             f"{type(exc).__name__}: {exc}")
 
     # -- plumbing ------------------------------------------------------------------------
 

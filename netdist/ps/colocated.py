@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Sequence
-from types import TracebackType
 from typing import Any, TypeVar
 
 import numpy as np
 
 from netdist.errors import NetdistError, ParameterServerError
-from netdist.ps._link import GroupLike, Loopback
+from netdist.ps._link import GroupLike, Loopback, WorkerSession
 from netdist.ps.client import PSClient, Tensors
 from netdist.ps.protocol import SHARDED_TAG_BASE
 from netdist.ps.server import PSServer, ServerReport
@@ -37,7 +36,7 @@ __all__ = ["ColocatedPS"]
 T = TypeVar("T")
 
 
-class ColocatedPS:
+class ColocatedPS(WorkerSession):
     """A worker on every rank plus a server shard on ranks ``0 .. num_servers-1``.
 
     Same calls as ``PSClient`` (``init``, ``push``, ``pull``, ``step``, ``close``). If
@@ -115,19 +114,6 @@ class ColocatedPS:
             await self.client.abort(reason)
         finally:
             await self._finish_server(expect_error=True)
-
-    async def aclose(self) -> None:
-        await self.close()
-
-    async def __aenter__(self) -> ColocatedPS:
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
-        if exc is None:
-            await self.close()
-        else:
-            await self.abort(f"worker rank {self.rank} failed: {type(exc).__name__}: {exc}")
 
     async def _finish_server(self, *, expect_error: bool) -> None:
         task = self._server_task
