@@ -25,6 +25,7 @@ This module is PURE: it imports neither asyncio nor socket.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import hmac
 import secrets
@@ -210,7 +211,59 @@ def _peer_reason(frame: ControlFrame) -> str:
     return reason if type(reason) is str and reason else "no reason given"
 
 
-class ClientHandshake:
+class _HandshakeSide(abc.ABC):
+    """What both sides share: state, and the frames every state answers the same way
+    (ERROR ends it, HEARTBEAT is ignored, data or anything after the end is refused);
+    the side-specific frames go to ``_on_frame``."""
+
+    me: HandshakeIdentity
+    peer_label: str
+    _peer: dict[str, Any] | None
+    _state: str
+
+    @property
+    def done(self) -> bool:
+        """True once the handshake succeeded or failed."""
+        return self._state in ("done", "failed")
+
+    def _peer_rank(self) -> int | None:
+        return None if self._peer is None else self._peer["rank"]
+
+    def receive(self, frame: ControlFrame | Any) -> HandshakeStep:
+        """Advance on one received frame."""
+        if self._state in ("done", "failed"):
+            self._state = "failed"
+            what = frame.kind.name if isinstance(frame, ControlFrame) else "data"
+            return HandshakeStep(None, True, AuthenticationError(
+                f"unexpected {what} frame{self._ended_from()} after the handshake ended"),
+                self._peer_rank())
+        if not isinstance(frame, ControlFrame):
+            return self._reject("unexpected data frame during the handshake")
+        kind = frame.kind
+        if kind is FrameKind.ERROR:
+            return self._refused(frame)
+        if kind is FrameKind.HEARTBEAT:
+            return HandshakeStep(None, False, None, self._peer_rank())
+        return self._on_frame(kind, frame.fields)
+
+    @abc.abstractmethod
+    def _ended_from(self) -> str:
+        """`` from <peer>`` for the after-the-end message ("" if unknown)."""
+
+    @abc.abstractmethod
+    def _reject(self, reason: str) -> HandshakeStep:
+        """We refuse the peer: tell it why and fail."""
+
+    @abc.abstractmethod
+    def _refused(self, frame: ControlFrame) -> HandshakeStep:
+        """The peer refused us with an ERROR frame."""
+
+    @abc.abstractmethod
+    def _on_frame(self, kind: FrameKind, fields: dict[str, Any]) -> HandshakeStep:
+        """A HELLO / CHALLENGE / AUTH / OK frame in the current state."""
+
+
+class ClientHandshake(_HandshakeSide):
     """The connecting side: HELLO, then verify CHALLENGE and answer AUTH, then OK.
 
     ``expect_role`` is the role we meant to reach (``"rank"`` for a peer,
@@ -230,11 +283,6 @@ class ClientHandshake:
         self._peer: dict[str, Any] | None = None
         self._state = "init"  # init -> hello-sent -> auth-sent -> done | failed
 
-    @property
-    def done(self) -> bool:
-        """True once the handshake succeeded or failed."""
-        return self._state in ("done", "failed")
-
     def _peer_desc(self, fields: dict[str, Any] | None = None) -> str:
         info = fields if fields is not None else self._peer
         if info is not None:
@@ -244,9 +292,6 @@ class ClientHandshake:
         if self.expect_role == "coordinator":
             return "coordinator"
         return _describe("rank", self.expect_rank)
-
-    def _peer_rank(self) -> int | None:
-        return None if self._peer is None else self._peer["rank"]
 
     def _reject(self, reason: str, claimed: dict[str, Any] | None = None,
                 code: str | None = None) -> HandshakeStep:
@@ -279,24 +324,17 @@ class ClientHandshake:
 
     def receive(self, frame: ControlFrame | Any) -> HandshakeStep:
         """Advance on one received frame."""
-        state = self._state
-        if state == "init":
+        if self._state == "init":
             raise LocalProtocolError("ClientHandshake.receive() before initiate()")
-        if state in ("done", "failed"):
-            self._state = "failed"
-            what = frame.kind.name if isinstance(frame, ControlFrame) else "data"
-            return HandshakeStep(None, True, AuthenticationError(
-                f"unexpected {what} frame from {self._peer_desc()}{_at(self.peer_label)} "
-                "after the handshake ended"), self._peer_rank())
-        if not isinstance(frame, ControlFrame):
-            return self._reject("unexpected data frame during the handshake")
-        kind = frame.kind
-        if kind is FrameKind.ERROR:
-            return self._refused(frame)
-        if kind is FrameKind.HEARTBEAT:
-            return HandshakeStep(None, False, None, self._peer_rank())
+        return super().receive(frame)
+
+    def _ended_from(self) -> str:
+        return f" from {self._peer_desc()}{_at(self.peer_label)}"
+
+    def _on_frame(self, kind: FrameKind, fields: dict[str, Any]) -> HandshakeStep:
+        state = self._state
         if state == "hello-sent" and kind is FrameKind.CHALLENGE:
-            return self._on_challenge(frame.fields)
+            return self._on_challenge(fields)
         if state == "auth-sent" and kind is FrameKind.OK:
             self._state = "done"
             return HandshakeStep(None, True, None, self._peer_rank())
@@ -333,7 +371,7 @@ class ClientHandshake:
                              fields["rank"])
 
 
-class ServerHandshake:
+class ServerHandshake(_HandshakeSide):
     """The accepting side: check HELLO, send CHALLENGE, verify AUTH, send OK.
 
     ``accept_rank(rank)`` is asked, only after the peer has proven the token, whether the
@@ -350,14 +388,6 @@ class ServerHandshake:
         self._nonce = b""
         self._peer: dict[str, Any] | None = None
         self._state = "wait-hello"  # wait-hello -> wait-auth -> done | failed
-
-    @property
-    def done(self) -> bool:
-        """True once the handshake succeeded or failed."""
-        return self._state in ("done", "failed")
-
-    def _peer_rank(self) -> int | None:
-        return None if self._peer is None else self._peer["rank"]
 
     def _reject(self, reason: str, code: str | None = None) -> HandshakeStep:
         self._state = "failed"
@@ -377,26 +407,15 @@ class ServerHandshake:
                                     code=_peer_code(frame))
         return HandshakeStep(None, True, error, rank)
 
-    def receive(self, frame: ControlFrame | Any) -> HandshakeStep:
-        """Advance on one received frame."""
+    def _ended_from(self) -> str:
+        return f" from {self.peer_label}" if self.peer_label else ""
+
+    def _on_frame(self, kind: FrameKind, fields: dict[str, Any]) -> HandshakeStep:
         state = self._state
-        if state in ("done", "failed"):
-            self._state = "failed"
-            what = frame.kind.name if isinstance(frame, ControlFrame) else "data"
-            src = f" from {self.peer_label}" if self.peer_label else ""
-            return HandshakeStep(None, True, AuthenticationError(
-                f"unexpected {what} frame{src} after the handshake ended"), self._peer_rank())
-        if not isinstance(frame, ControlFrame):
-            return self._reject("unexpected data frame during the handshake")
-        kind = frame.kind
-        if kind is FrameKind.ERROR:
-            return self._refused(frame)
-        if kind is FrameKind.HEARTBEAT:
-            return HandshakeStep(None, False, None, self._peer_rank())
         if state == "wait-hello" and kind is FrameKind.HELLO:
-            return self._on_hello(frame.fields)
+            return self._on_hello(fields)
         if state == "wait-auth" and kind is FrameKind.AUTH:
-            return self._on_auth(frame.fields)
+            return self._on_auth(fields)
         waiting = "HELLO" if state == "wait-hello" else "AUTH"
         return self._reject(f"unexpected {kind.name} frame while waiting for {waiting}")
 
