@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -54,11 +55,15 @@ async def test_spin_is_bounded_by_its_budget() -> None:
     loop = asyncio.get_running_loop()
     policy = SpinPolicy(0.005)
     never: asyncio.Future[None] = loop.create_future()
+    started = time.perf_counter()
     policy.watch(loop, never)
-    await asyncio.sleep(0.05)  # let the budget run out (a wait, not a synchronisation)
+    while time.perf_counter() < started + 0.006:  # run the loop past the budget
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)  # the tick already queued sees the budget spent
     settled = policy.polls
     assert settled > 0
-    await asyncio.sleep(0.02)
+    for _ in range(20):
+        await asyncio.sleep(0)
     assert policy.polls == settled
     never.cancel()
 
