@@ -6,17 +6,20 @@ automatically when ``world_size`` differs from the one that saved; ``reshard`` i
 same with the old world size checked; ``flat_shard_metadata`` builds the usual layout
 (every tensor split along dim 0, first ``total % n`` ranks one larger).
 
-Commit without a group: every rank writes its shard file (temp, fsync, rename) and then
-a small manifest with the file's size and checksums; the rank that completes the set
-(finds every rank's manifest of the same generation) writes ``metadata.json`` last, and
-in step mode (``step=N``) updates ``latest`` and rotates old checkpoints. Two ranks
-finishing together both commit the same bytes, which is harmless. The collective
-``netdist.checkpoint.save`` (rank 0 gathers manifests over a ``Group``) is the
-recommended entry point for jobs; this API is for tools, tests and jobs without one.
+Commit without a group (``step=N``): every rank writes its shard file (temp, fsync,
+rename) into the staging directory of that step's next generation, then a small manifest
+with the file's size and checksums; the rank that completes the set (finds every rank's
+manifest of the same generation) commits it as described in
+:mod:`netdist.checkpoint.commit` (``metadata.json`` into staging, rename to ``step_N``,
+``latest``, rotation), holding a lock on the root so that two ranks finishing together
+commit once. Without a step the directory given is written in place (tools). The
+collective ``netdist.checkpoint.save`` (rank 0 gathers manifests over a ``Group``) is
+the recommended entry point for jobs; this API is for tools, tests and jobs without one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -29,10 +32,16 @@ from typing import Any
 
 import numpy as np
 
+from netdist.checkpoint.commit import (
+    commit_step,
+    create_staging,
+    os_errors,
+    scan_root,
+    step_generation,
+)
 from netdist.checkpoint.metadata import (
     FORMAT_NAME,
     FORMAT_VERSION,
-    LATEST_FILE,
     METADATA_FILE,
     FileRecord,
     ShardMetadata,
@@ -45,8 +54,7 @@ from netdist.checkpoint.planner import Box, ReadItem, box_shape, plan_reads, pla
 from netdist.checkpoint.storage import (
     ShardFile,
     TensorSource,
-    is_temp_name,
-    remove_tree_atomic,
+    read_metadata,
     write_bytes_atomic,
     write_safetensors,
 )
@@ -165,111 +173,65 @@ def _specs_for(state_dict: Mapping[str, Any],
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Complete checkpoints (``step_N`` directories with metadata) under ``root``, by step."""
-    root = Path(root)
-    found = []
-    try:
-        entries = list(os.scandir(root))
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        step = parse_step_dir_name(entry.name)
-        if step is not None and entry.is_dir() and os.path.isfile(
-                os.path.join(entry.path, METADATA_FILE)):
-            found.append((step, Path(entry.path)))
-    return sorted(found)
+    """Complete checkpoints under ``root`` as ``(step, directory)``, by step.
+
+    A step whose ``step_N`` was renamed aside by a save that crashed before renaming the
+    new one in is listed with its aside directory (``.step_N.old-<tag>``), which loads
+    like any other; the next save renames it back.
+    """
+    return scan_root(root).complete()
+
+
+def _recoverable_aside(path: Path) -> Path | None:
+    """The aside holding ``path``'s checkpoint when ``path`` is a ``step_N`` being replaced."""
+    step = parse_step_dir_name(path.name)
+    return scan_root(path.parent).recoverable.get(step) if step is not None else None
 
 
 def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None) -> Path:
     """The checkpoint directory that ``path`` designates.
 
     ``path`` is either a checkpoint directory (holds ``metadata.json``) or a root with
-    ``step_N`` directories: then ``step`` picks one, else ``latest``, else the newest
-    complete step. Directories without ``metadata.json`` are never chosen.
+    ``step_N`` directories: then ``step`` picks one, else the newest complete step.
+    ``latest`` is not consulted: it may lag one step behind after a crash, and a
+    resumed job must continue from the newest step. Directories without
+    ``metadata.json`` are never chosen.
     """
     path = Path(path)
     if step is not None:
-        candidate = path / step_dir_name(step)
-        if not (candidate / METADATA_FILE).is_file():
+        step_dir_name(step)  # validates
+        scan = scan_root(path)
+        found = scan.committed.get(step) or scan.recoverable.get(step)
+        if found is None:
             raise CheckpointNotFoundError(f"no complete checkpoint for step {step} in {path}")
-        return candidate
+        return found
     if (path / METADATA_FILE).is_file():
         return path
-    try:
-        name = (path / LATEST_FILE).read_text(encoding="utf-8").strip()
-    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
-        name = ""
-    if parse_step_dir_name(name) is not None and (path / name / METADATA_FILE).is_file():
-        return path / name
     complete = list_checkpoints(path)
     if complete:
         return complete[-1][1]
+    aside = _recoverable_aside(path)
+    if aside is not None:
+        return aside
     if not path.exists():
         raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
-    raise CheckpointNotFoundError(f"no complete checkpoint in {path}: no {METADATA_FILE}, "
-                                  f"no valid {LATEST_FILE}, no complete step_* directory")
+    raise CheckpointNotFoundError(f"no complete checkpoint in {path}: no {METADATA_FILE} "
+                                  f"and no complete step_* directory")
 
 
 def load_metadata(path: str | os.PathLike[str], step: int | None = None) -> ShardMetadata:
     """Read the metadata of the checkpoint ``path`` designates (see ``resolve_checkpoint``)."""
     directory = resolve_checkpoint(path, step)
-    try:
-        text = (directory / METADATA_FILE).read_bytes()
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{directory / METADATA_FILE} vanished") from None
-    return ShardMetadata.loads(text)
+    return read_metadata(directory)  # safe open, bounded parse, errors name the file
 
 
-def _rotate(root: Path, current: int, keep_last: int | None) -> None:
+def check_keep_last(keep_last: int | None) -> None:
+    """Raise ``ValueError`` unless ``keep_last`` is None or an int >= 1 (checked up front,
+    not after every byte is written)."""
     if keep_last is None:
         return
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    others = [(s, p) for s, p in list_checkpoints(root) if s != current]
-    for _, path in others[:max(0, len(others) - (keep_last - 1))]:
-        remove_tree_atomic(path)
-
-
-def _clean_root(root: Path, *, below: int | None, current: int | None) -> None:
-    """Remove incomplete step directories, trash and temp files left by crashes.
-
-    ``below=None`` removes every incomplete directory except ``current`` (collective
-    mode: no other save can be running); otherwise only incomplete steps ``< below``
-    (per-rank mode: ranks may still be writing newer ones). Temp files are removed in
-    collective mode only.
-    """
-    try:
-        entries = list(os.scandir(root))
-    except FileNotFoundError:
-        return
-    for entry in entries:
-        if entry.name.startswith(".trash-") and entry.is_dir():
-            remove_tree_atomic(Path(entry.path))
-            continue
-        if below is None and is_temp_name(entry.name) and entry.is_file():
-            try:
-                os.unlink(entry.path)
-            except FileNotFoundError:
-                pass
-            continue
-        step = parse_step_dir_name(entry.name)
-        if step is None or step == current or not entry.is_dir():
-            continue
-        if os.path.isfile(os.path.join(entry.path, METADATA_FILE)):
-            continue
-        if below is None or step < below:
-            remove_tree_atomic(Path(entry.path))
-
-
-def _commit(directory: Path, metadata: ShardMetadata, *, step_root: Path | None,
-            keep_last: int | None, collective: bool) -> None:
-    """Write ``metadata.json`` (the commit point), then ``latest``, then rotate."""
-    write_bytes_atomic(directory / METADATA_FILE, metadata.dumps().encode("utf-8"))
-    if step_root is None or metadata.step is None:
-        return
-    write_bytes_atomic(step_root / LATEST_FILE, (directory.name + "\n").encode("ascii"))
-    _rotate(step_root, metadata.step, keep_last)
-    _clean_root(step_root, below=None if collective else metadata.step, current=metadata.step)
+    if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
+        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
 
 
 # --------------------------------------------------------------------------- writing
@@ -303,8 +265,40 @@ def _manifest_name(rank: int) -> str:
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_bytes())
-    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError):
         return None
+
+
+def _staging_tag(generation: int, run_id: str | None) -> str:
+    """The staging tag every rank of one per-rank save derives alike: ``g<generation>``,
+    plus a digest of ``run_id`` so that attempts with different ids never share files."""
+    if run_id is None:
+        return f"g{generation}"
+    return f"g{generation}-{hashlib.sha256(run_id.encode('utf-8')).hexdigest()[:12]}"
+
+
+def _write_share(directory: Path, rank: int, world_size: int,
+                 specs: Mapping[str, TensorShardSpec], writers: Mapping[str, int],
+                 arrays: Mapping[str, np.ndarray], generation: int, run_id: str | None,
+                 where: Path) -> tuple[FileRecord, list[FileRecord]]:
+    """Write this rank's file and manifest into ``directory``; return its record and the
+    records of every rank whose manifest of the same generation and run is there."""
+    with os_errors(rank, f"write {rank_file_name(rank)} of checkpoint {where}"):
+        record = write_rank_file(directory, rank, world_size, specs, writers, arrays)
+    manifest = {"generation": generation, "run_id": run_id, "file": record.to_json()}
+    # Not fsynced: its content ends up in metadata.json, which is; losing it in a crash
+    # only means that save is not committed, which a crash does anyway.
+    with os_errors(rank, f"write {_manifest_name(rank)} of checkpoint {where}"):
+        write_bytes_atomic(directory / _manifest_name(rank), json.dumps(manifest).encode(),
+                           durable=False)
+    records = []
+    for other in range(world_size):
+        found = _read_json(directory / _manifest_name(other))
+        if (not isinstance(found, dict) or found.get("generation") != generation
+                or found.get("run_id") != run_id):
+            break
+        records.append(FileRecord.from_json(found["file"]))
+    return record, records
 
 
 def save_distributed(state_dict: Mapping[str, Any], dir: str | os.PathLike[str], rank: int,
@@ -317,40 +311,43 @@ def save_distributed(state_dict: Mapping[str, Any], dir: str | os.PathLike[str],
 
     ``state_dict`` maps names to this rank's local arrays; ``shard_spec`` (usually from
     :func:`flat_shard_metadata`) says how each is placed; ``None`` means every array is
-    replicated (written once, by the rank the dedup planner picks). With ``step=N`` the
-    checkpoint goes to ``dir/step_N`` and the committing rank updates ``dir/latest`` and
-    keeps the newest ``keep_last`` checkpoints; otherwise ``dir`` is the checkpoint.
+    replicated (written once, by the rank the dedup planner picks).
 
-    Saving into a directory that already holds a checkpoint replaces it; until every
-    rank has rewritten its file that directory fails verification (never silently mixes).
+    With ``step=N`` the checkpoint goes to ``dir/step_N``: the ranks write into a staging
+    directory and the rank that completes the set commits it by rename
+    (:mod:`netdist.checkpoint.commit`), so an existing ``step_N`` stays loadable and
+    unchanged until the new one replaces it, and a crash at any moment leaves one of
+    the two. That rank then rewrites ``dir/latest`` and keeps the newest ``keep_last``
+    checkpoints. Without a step, ``dir`` itself is the checkpoint, written in place:
+    saving into it again replaces it file by file, and until every rank has rewritten
+    its file it fails verification (never silently mixes).
+
     Without a group, ranks cannot tell a peer's file left by a crashed earlier attempt at
     the same step from a fresh one; pass the same ``run_id`` (e.g. a job id) on every
-    rank to tell attempts apart, or use the collective ``save``.
+    rank to tell attempts apart, or use the collective ``save``. An OS error (full disk,
+    too many open files) raises ``CheckpointError`` naming the rank and the file.
     """
     started = time.perf_counter()
     _check_rank(rank, world_size)
+    check_keep_last(keep_last)
     specs, arrays = _specs_for(state_dict, shard_spec, rank, world_size)
     base = shard_spec if isinstance(shard_spec, ShardMetadata) else None
     writers = plan_writes(specs, world_size).writers
     root = Path(dir)
-    directory = root / step_dir_name(step) if step is not None else root
-    directory.mkdir(parents=True, exist_ok=True)
-    previous = _read_json(directory / METADATA_FILE)
-    generation = (previous.get("generation", 0) if isinstance(previous, dict) else 0) + 1
-    record = write_rank_file(directory, rank, world_size, specs, writers, arrays)
-    manifest = {"generation": generation, "run_id": run_id, "file": record.to_json()}
-    # Not fsynced: its content ends up in metadata.json, which is; losing it in a crash
-    # only means that save is not committed, which a crash does anyway.
-    write_bytes_atomic(directory / _manifest_name(rank), json.dumps(manifest).encode(),
-                       durable=False)
-
-    records = []
-    for other in range(world_size):
-        found = _read_json(directory / _manifest_name(other))
-        if (not isinstance(found, dict) or found.get("generation") != generation
-                or found.get("run_id") != run_id):
-            break
-        records.append(FileRecord.from_json(found["file"]))
+    final = root / step_dir_name(step) if step is not None else root
+    with os_errors(rank, f"prepare checkpoint {final}"):
+        if step is None:
+            root.mkdir(parents=True, exist_ok=True)
+            previous = _read_json(root / METADATA_FILE)
+            generation = (previous.get("generation", 0) if isinstance(previous, dict)
+                          else 0) + 1
+            directory = root
+        else:
+            generation = step_generation(root, step) + 1
+            directory = create_staging(root, step, _staging_tag(generation, run_id),
+                                       shared=True)
+    record, records = _write_share(directory, rank, world_size, specs, writers, arrays,
+                                   generation, run_id, final)
     committed = len(records) == world_size
     if committed:
         metadata = ShardMetadata(
@@ -358,9 +355,13 @@ def save_distributed(state_dict: Mapping[str, Any], dir: str | os.PathLike[str],
             mesh=base.mesh if base is not None else None,
             extra=dict(extra if extra is not None else (base.extra if base is not None else {})),
             step=step, writers=writers, files=tuple(records), generation=generation)
-        _commit(directory, metadata, step_root=root if step is not None else None,
-                keep_last=keep_last, collective=False)
-    return SaveResult(directory, rank, directory / record.name, record.size, committed, step,
+        with os_errors(rank, f"commit checkpoint {final}"):
+            if step is None:
+                write_bytes_atomic(root / METADATA_FILE, metadata.dumps().encode("utf-8"))
+            else:
+                committed = commit_step(root, directory, metadata, keep_last=keep_last,
+                                        exclusive=True)
+    return SaveResult(final, rank, final / record.name, record.size, committed, step,
                       time.perf_counter() - started)
 
 

@@ -14,7 +14,10 @@ same crash-safe protocol as :func:`save_distributed`, while the event loop keeps
   the staging buffers hold the previous state until it is on disk. To overlap fully,
   ``await`` the previous future before the next save.
 - A failed write is reported through the future (``await``, ``wait()`` and
-  ``result()`` raise it); the next save proceeds normally.
+  ``result()`` raise it; an OS error as ``CheckpointError`` naming the rank and the
+  file); the next save proceeds normally. With ``step=N`` a failed or killed save
+  leaves the previous checkpoint of every step loadable (staging and commit by rename,
+  :mod:`netdist.checkpoint.commit`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from netdist.checkpoint.api import SaveResult, _check_rank, _specs_for, save_distributed
+from netdist.checkpoint.api import (
+    SaveResult,
+    _check_rank,
+    _specs_for,
+    check_keep_last,
+    save_distributed,
+)
 from netdist.checkpoint.metadata import ShardMetadata, TensorShardSpec
 from netdist.errors import CheckpointError, NetdistTimeoutError
 from netdist.types import WIRE_DTYPES, dtype_to_wire
@@ -109,6 +118,7 @@ class AsyncCheckpointer:
                  keep_last: int | None = None, run_id: str | None = None,
                  staging_threads: int = 2) -> None:
         _check_rank(rank, world_size)
+        check_keep_last(keep_last)
         if staging_threads < 1:
             raise ValueError(f"staging_threads must be >= 1, got {staging_threads}")
         self.dir = Path(dir)

@@ -5,21 +5,27 @@ replicated on every rank, or :class:`ShardedArray` shards), optimizer state (mom
 step counts, param groups), step/epoch counters and NumPy RNGs (``np.random.Generator``
 objects or ``bit_generator.state`` dicts; 128-bit integers are stored exactly).
 
-Save protocol (every rank calls ``save`` with the same tree structure):
+Save protocol (every rank calls ``save`` with the same tree structure; the commit
+itself, its crash points and the recovery rules are in :mod:`netdist.checkpoint.commit`):
 
-1. rank 0 removes what crashed saves left behind (incomplete ``step_*`` directories,
-   trash, temp files) and creates ``dir/step_N``; every rank describes its tensors and
-   plain values; one ``all_gather_object`` gives every rank the same picture, from which
-   each computes the same shard specs and dedup plan;
-2. each rank writes its ``rank_XXXXX.safetensors`` (temp, fsync, rename, fsync dir) in a
-   worker thread while the event loop keeps running;
+1. rank 0 renames back a checkpoint a crashed save left aside, removes the rest of what
+   crashed saves left behind (staging directories, incomplete ``step_*`` directories,
+   trash, temp files), picks the step and creates a staging directory
+   ``.step_N.tmp-<random>``; every rank describes its tensors and plain values; one
+   ``all_gather_object`` gives every rank the same picture, from which each computes the
+   same shard specs and dedup plan;
+2. each rank writes its ``rank_XXXXX.safetensors`` into the staging directory (temp,
+   fsync, rename, fsync dir) in a worker thread while the event loop keeps running;
 3. a second ``all_gather_object`` brings every file's size and checksums to rank 0,
-   which writes ``metadata.json`` (temp, fsync, rename) - the commit point - then
-   ``latest``, then rotates to ``keep_last``; a ``broadcast_object`` tells everyone.
+   which writes ``metadata.json`` into the staging directory, renames it to ``step_N``
+   - the commit point; an existing ``step_N`` is renamed aside just before and deleted
+   just after - then rewrites ``latest`` and rotates to ``keep_last``; a
+   ``broadcast_object`` tells everyone.
 
-A failure on any rank (bad input, full disk) is reported on every rank, naming the
-rank(s) and their errors, and nothing is committed: the previous checkpoint stays the
-newest loadable one, and a SIGKILL at any moment has the same effect.
+A failure on any rank (bad input, full disk, too many open files) is reported on every
+rank, naming the rank(s), their errors and, for OS errors, the file; nothing is
+committed and the previous checkpoint of every step stays as it was. A SIGKILL at any
+moment has the same effect, or leaves the new checkpoint committed.
 
 Per-rank plain values (policy on a world-size change): values that are equal on every
 rank (step, epoch, param groups, a shared RNG) are stored once and every rank of any
@@ -36,6 +42,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
+import shutil
 import time
 import zlib
 from collections.abc import Mapping
@@ -49,13 +57,12 @@ from netdist.checkpoint.api import (
     CheckpointReader,
     SaveResult,
     _as_array,
-    _clean_root,
-    _commit,
     check_destination,
-    list_checkpoints,
+    check_keep_last,
     resolve_checkpoint,
     write_rank_file,
 )
+from netdist.checkpoint.commit import commit_step, create_staging, os_errors, tidy_root
 from netdist.checkpoint.metadata import (
     METADATA_FILE,
     FileRecord,
@@ -69,7 +76,7 @@ from netdist.checkpoint.metadata import (
 )
 from netdist.checkpoint.planner import Box, assign_writers, box_shape, plan_reads
 from netdist.checkpoint.state import ShardedArray, flatten_state, unflatten_state
-from netdist.checkpoint.storage import remove_tree_atomic
+from netdist.checkpoint.storage import read_metadata_text
 from netdist.errors import CheckpointError, CheckpointMismatchError
 from netdist.types import WIRE_DTYPES, dtype_to_wire
 
@@ -98,21 +105,32 @@ def _raise_gathered(op: str, statuses: list[Any], rank: int,
     raise cls(f"{op} failed on rank(s) {names} (seen from rank {rank}): {detail}")
 
 
-def _prepare_root(root: Path, step: int | None, overwrite: bool) -> int:
-    """Rank 0, before anyone writes: clean crash leftovers, pick and create the step dir."""
-    root.mkdir(parents=True, exist_ok=True)
+def _prepare_root(root: Path, step: int | None, overwrite: bool) -> tuple[int, str]:
+    """Rank 0, before anyone writes: recover and clean up after crashed saves, pick the
+    step, create its staging directory; returns the step and the staging name."""
+    with os_errors(0, f"prepare checkpoint root {root}"):
+        root.mkdir(parents=True, exist_ok=True)
+        scan = tidy_root(root)
+    newest = scan.newest()
     if step is None:
-        complete = list_checkpoints(root)
-        step = complete[-1][0] + 1 if complete else 0
-    _clean_root(root, below=None, current=None)
-    directory = root / step_dir_name(step)
-    if (directory / METADATA_FILE).exists():
-        if not overwrite:
-            raise CheckpointError(f"{directory} already holds a complete checkpoint; pass "
-                                  f"overwrite=True to replace it")
-        remove_tree_atomic(directory)
-    directory.mkdir()
-    return step
+        step = newest + 1 if newest is not None else 0
+    elif step in scan.committed and not overwrite:
+        raise CheckpointError(
+            f"{scan.committed[step]} already holds a complete checkpoint (the newest "
+            f"complete step in {root} is {newest}); pass overwrite=True to replace it")
+    elif newest is not None and step < newest and not overwrite:
+        raise CheckpointError(
+            f"step {step} is older than the newest complete checkpoint in {root} (step "
+            f"{newest}): a resumed job continues from step {newest} and would never load "
+            f"this one; save a step after {newest}, or pass overwrite=True to save it anyway")
+    with os_errors(0, f"prepare checkpoint {root / step_dir_name(step)}"):
+        staging = create_staging(root, step, secrets.token_hex(8))
+    return step, staging.name
+
+
+async def _discard(staging: Path) -> None:
+    """Rank 0, once every rank is done with it: delete a save's staging directory."""
+    await asyncio.to_thread(shutil.rmtree, staging, True)
 
 
 def _local_summary(state: Any, check_replicated: bool) -> tuple[dict[str, Any], Any]:
@@ -186,17 +204,23 @@ async def save(state: Any, dir: str | os.PathLike[str], group: Any, *, step: int
                check_replicated: bool = False, timeout: float | None = None) -> SaveResult:
     """Save ``state`` collectively as ``dir/step_N`` (every rank of ``group`` calls this).
 
-    ``step`` defaults to one past the newest complete checkpoint. ``keep_last=K`` keeps
-    the K newest complete checkpoints. Plain arrays are replicated (assumed equal on all
-    ranks, written once; ``check_replicated=True`` compares CRCs first); wrap a shard in
+    ``step`` defaults to one past the newest complete checkpoint - the step ``load``
+    resumes from - so a restarted job always saves forward. An explicit ``step`` that
+    already holds a complete checkpoint, or that is older than the newest complete one
+    (a resumed job would never load it), raises ``CheckpointError`` unless
+    ``overwrite=True``; with it, the old ``step_N`` stays loadable and unchanged until
+    the new one is committed. ``keep_last=K`` keeps the K newest complete checkpoints
+    (and the one just saved). Plain arrays are replicated (assumed equal on all ranks,
+    written once; ``check_replicated=True`` compares CRCs first); wrap a shard in
     :class:`ShardedArray`. ``timeout`` bounds each collective step. Returns this rank's
     :class:`SaveResult`; raises ``CheckpointError`` (or a subclass) on every rank if any
     rank fails, and then nothing is committed. Cancelling (or a timeout) before the
-    commit leaves an incomplete ``step_N`` directory, which is never loaded and is removed
-    by the next save (a shard write already running in its thread completes in the
+    commit leaves a hidden staging directory, which is never loaded and is removed by
+    the next save (a shard write already running in its thread completes in the
     background).
     """
     started = time.perf_counter()
+    check_keep_last(keep_last)
     root = Path(dir)
     rank, world_size = group.rank, group.world_size
     local_error: BaseException | None = None
@@ -205,27 +229,39 @@ async def save(state: Any, dir: str | os.PathLike[str], group: Any, *, step: int
     try:
         summary, arrays = _local_summary(state, check_replicated)
         if rank == 0:
-            summary["step"] = await asyncio.to_thread(_prepare_root, root, step, overwrite)
+            summary["step"], summary["staging"] = await asyncio.to_thread(
+                _prepare_root, root, step, overwrite)
     except Exception as exc:  # reported to every rank below
         local_error = exc
         summary = _describe(exc)
     summaries = await group.all_gather_object(summary, timeout=timeout)
+    if rank == 0 and "staging" in summary and any("error" in s for s in summaries):
+        await _discard(root / summary["staging"])
     _raise_gathered("checkpoint save", summaries, rank, local_error)
     chosen = summaries[0]["step"]
-    specs, layout = _merge(summaries)
+    staging = root / summaries[0]["staging"]
+    final = root / step_dir_name(chosen)
+    try:
+        specs, layout = _merge(summaries)
+    except CheckpointError:
+        if rank == 0:
+            await _discard(staging)
+        raise
     writers = assign_writers(specs, world_size)
-    directory = root / step_dir_name(chosen)
 
     record: FileRecord | None = None
     manifest: dict[str, Any]
     try:
-        record = await asyncio.to_thread(_write, directory, rank, world_size, specs, writers,
-                                         arrays)
+        with os_errors(rank, f"write {rank_file_name(rank)} of checkpoint {final}"):
+            record = await asyncio.to_thread(write_rank_file, staging, rank, world_size,
+                                             specs, writers, arrays)
         manifest = record.to_json()
     except Exception as exc:
         local_error = exc
         manifest = _describe(exc)
     manifests = await group.all_gather_object(manifest, timeout=timeout)
+    if rank == 0 and any("error" in m for m in manifests):
+        await _discard(staging)
     _raise_gathered("checkpoint save", manifests, rank, local_error)
 
     status: dict[str, Any] = {"ok": True}
@@ -235,8 +271,9 @@ async def save(state: Any, dir: str | os.PathLike[str], group: Any, *, step: int
                 num_ranks=world_size, tensor_specs=specs, mesh=mesh, extra=dict(extra or {}),
                 step=chosen, writers=writers,
                 files=tuple(FileRecord.from_json(m) for m in manifests), state=layout)
-            await asyncio.to_thread(_commit, directory, metadata, step_root=root,
-                                    keep_last=keep_last, collective=True)
+            with os_errors(rank, f"commit checkpoint {final}"):
+                await asyncio.to_thread(commit_step, root, staging, metadata,
+                                        keep_last=keep_last, exclusive=False)
         except Exception as exc:
             local_error = exc
             status = _describe(exc)
@@ -244,14 +281,8 @@ async def save(state: Any, dir: str | os.PathLike[str], group: Any, *, step: int
     _raise_gathered("checkpoint commit", [status], rank, local_error)
     if record is None:  # pragma: no cover - every path without a record raised above
         raise CheckpointError("no shard file was written")
-    return SaveResult(directory, rank, directory / rank_file_name(rank), record.size,
+    return SaveResult(final, rank, final / rank_file_name(rank), record.size,
                       rank == 0, chosen, time.perf_counter() - started)
-
-
-def _write(directory: Path, rank: int, world_size: int, specs: Mapping[str, TensorShardSpec],
-           writers: Mapping[str, int], arrays: Mapping[str, np.ndarray]) -> FileRecord:
-    directory.mkdir(parents=True, exist_ok=True)
-    return write_rank_file(directory, rank, world_size, specs, writers, arrays)
 
 
 # --------------------------------------------------------------------------- load
@@ -404,7 +435,7 @@ async def load(dir: str | os.PathLike[str], group: Any, *, like: Any = None,
     if rank == 0:
         try:
             directory = await asyncio.to_thread(resolve_checkpoint, dir, step)
-            text = await asyncio.to_thread((directory / METADATA_FILE).read_text, "utf-8")
+            text = await asyncio.to_thread(read_metadata_text, directory)
             found = {"path": str(directory), "metadata": text}
         except Exception as exc:
             local_error = exc
@@ -419,7 +450,7 @@ async def load(dir: str | os.PathLike[str], group: Any, *, like: Any = None,
     status: dict[str, Any] = {"ok": True}
     metadata: ShardMetadata | None = None
     try:
-        metadata = ShardMetadata.loads(found["metadata"])
+        metadata = ShardMetadata.loads(found["metadata"], str(directory / METADATA_FILE))
         if like is not None:
             for name, value in flatten_state(like).tensors.items():
                 if isinstance(value, ShardedArray):

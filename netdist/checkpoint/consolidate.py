@@ -6,11 +6,19 @@ before the next is read, so memory stays at one chunk however large the model is
 consolidated file is plain safetensors (``safetensors.numpy.load_file`` /
 ``safetensors.torch.load_file`` read it); its ``__metadata__`` carries the checkpoint's
 non-tensor values as JSON under ``netdist.extra`` and ``netdist.state``.
+
+Every source file is opened through ``storage.open_checkpoint_file`` (regular files inside
+the checkpoint directory only). Output paths are checked before any work: an output that
+is a directory, lies in a missing directory, or overlaps the source is a ``ConfigError``
+(the CLI's usage error); an OS error while writing is a ``CheckpointError`` naming the
+output.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -22,7 +30,6 @@ import numpy as np
 from netdist.checkpoint.api import (
     CheckpointReader,
     _file_metadata,
-    load_metadata,
     resolve_checkpoint,
 )
 from netdist.checkpoint.metadata import (
@@ -32,16 +39,18 @@ from netdist.checkpoint.metadata import (
     StateLayout,
     TensorShardSpec,
     encode_object,
+    parse_step_dir_name,
     rank_file_name,
 )
 from netdist.checkpoint.planner import Box, assign_writers, box_shape, plan_reads, plan_writes
 from netdist.checkpoint.storage import (
     ShardFile,
     TensorSource,
+    read_metadata,
     write_bytes_atomic,
     write_safetensors,
 )
-from netdist.errors import CheckpointError, CheckpointMismatchError
+from netdist.errors import CheckpointError, CheckpointMismatchError, ConfigError
 from netdist.types import WIRE_DTYPES
 
 __all__ = [
@@ -74,14 +83,57 @@ class TensorRow:
 
 def _nbytes(spec: TensorShardSpec) -> int:
     itemsize = WIRE_DTYPES[spec.dtype].itemsize if spec.dtype else 1
-    return int(np.prod(spec.full_shape, dtype=np.int64)) * itemsize
+    return math.prod(spec.full_shape) * itemsize
+
+
+def _is_within(path: Path, other: Path) -> bool:
+    """``path`` is ``other`` or inside it, symlinks resolved."""
+    real, base = Path(os.path.realpath(path)), Path(os.path.realpath(other))
+    return real == base or base in real.parents
+
+
+def _check_output_file(out: Path, directory: Path) -> None:
+    """``ConfigError`` unless ``out`` can become a new file outside the checkpoint."""
+    if out.is_dir():
+        raise ConfigError(f"output {out} is a directory; give a file name such as "
+                          f"{out / 'model.safetensors'}")
+    if not out.parent.is_dir():
+        raise ConfigError(f"output directory {out.parent} does not exist")
+    if _is_within(out, directory):
+        raise ConfigError(f"output {out} is inside the checkpoint {directory} it is read "
+                          f"from")
+
+
+def _check_output_dir(out: Path, source: Path, directory: Path) -> None:
+    """``ConfigError`` unless ``out`` can hold a new checkpoint without touching the one
+    read: not the source (as given or resolved), not inside it, not the root holding it."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output {out} exists and is not a directory")
+    for src in dict.fromkeys((source, directory)):
+        if _is_within(out, src):
+            raise ConfigError(f"output {out} is inside the source {src}, which would be "
+                              f"rewritten while it is read; choose a directory outside it")
+    holder = directory.parent
+    if (parse_step_dir_name(directory.name) is not None
+            and os.path.realpath(out) == os.path.realpath(holder)):
+        raise ConfigError(f"output {out} is the root that holds the source checkpoint "
+                          f"{directory}; choose another directory")
+
+
+@contextlib.contextmanager
+def _writing(out: Path) -> Iterator[None]:
+    """Turn an OS error while writing ``out`` into a ``CheckpointError`` naming it."""
+    try:
+        yield
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {out}: {exc.strerror or exc}") from exc
 
 
 def inspect_checkpoint(path: str | os.PathLike[str], step: int | None = None
                        ) -> tuple[Path, ShardMetadata, list[TensorRow]]:
     """The checkpoint directory, its metadata and one row per tensor."""
     directory = resolve_checkpoint(path, step)
-    metadata = load_metadata(directory)
+    metadata = read_metadata(directory)
     rows = []
     for name, spec in metadata.tensor_specs.items():
         if spec.shard_dim is None:
@@ -116,7 +168,7 @@ def verify_checkpoint(path: str | os.PathLike[str], step: int | None = None, *,
     """Check every shard file: present, right size, header matching the metadata, and
     every block's CRC. Unreadable metadata raises; file problems are collected."""
     directory = resolve_checkpoint(path, step)
-    metadata = load_metadata(directory)
+    metadata = read_metadata(directory)
     plan = plan_writes(metadata.tensor_specs, metadata.num_ranks, metadata.writers)
     total = sum(record.size for record in metadata.files)
     problems: list[str] = []
@@ -164,7 +216,7 @@ def _chunks(reader: CheckpointReader, name: str, box: Box, dtype: np.dtype[Any],
             yield dest
             return
         rows = shape[0]
-        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
         per = max(1, chunk_bytes // max(row_bytes, 1))
         buffer = np.empty((min(per, rows), *shape[1:]), dtype=dtype)
         for r0 in range(0, rows, per):
@@ -195,11 +247,14 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
     """Write the whole checkpoint as one safetensors file holding every full tensor.
 
     Streams tensor by tensor (``chunk_bytes`` at a time), writing the header first; the
-    output appears atomically (temp, fsync, rename). Returns the output path.
+    output appears atomically (temp, fsync, rename). Returns the output path. An output
+    that is a directory, in a missing directory or inside the checkpoint is refused with
+    ``ConfigError`` before anything is read.
     """
     directory = resolve_checkpoint(path, step)
-    metadata = load_metadata(directory)
     out = Path(out)
+    _check_output_file(out, directory)
+    metadata = read_metadata(directory)
     total = sum(_nbytes(spec) for spec in metadata.tensor_specs.values())
     with CheckpointReader(directory, metadata, verify=verify) as reader:
         sources = []
@@ -210,8 +265,10 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
             sources.append(TensorSource(name, spec.dtype, spec.full_shape,
                                         chunks=_chunks(reader, name, box,
                                                        WIRE_DTYPES[spec.dtype], chunk_bytes)))
-        write_safetensors(out, sources, metadata=_objects_metadata(metadata),
-                          progress=None if progress is None else lambda n: progress(n, total))
+        with _writing(out):
+            write_safetensors(out, sources, metadata=_objects_metadata(metadata),
+                              progress=None if progress is None else
+                              lambda n: progress(n, total))
     return out
 
 
@@ -241,18 +298,22 @@ def reshard_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str]
     Sharded tensors are re-split along their dim with ``chunk_sizes``; replicated ones are
     re-assigned by the dedup planner. Streams chunk by chunk; ``metadata.json`` is written
     last. ``rank_objects`` maps per-rank values: ``error``, ``modulo``, ``rank0``, ``drop``.
+    ``out`` must not overlap the source (``ConfigError``, checked before anything is
+    written): a checkpoint rewritten into itself would be corrupted.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
     if rank_objects not in ("error", "modulo", "rank0", "drop"):
-        raise ValueError(f"unknown rank_objects policy {rank_objects!r}")
+        raise ConfigError(f"unknown rank_objects policy {rank_objects!r}")
     directory = resolve_checkpoint(path, step)
-    metadata = load_metadata(directory)
-    state = _remap_state(metadata.state, metadata.num_ranks, world_size, rank_objects)
     out = Path(out)
+    _check_output_dir(out, Path(path), directory)
+    metadata = read_metadata(directory)
+    state = _remap_state(metadata.state, metadata.num_ranks, world_size, rank_objects)
     if (out / METADATA_FILE).exists():
         raise CheckpointError(f"{out} already holds a checkpoint")
-    out.mkdir(parents=True, exist_ok=True)
+    with _writing(out):
+        out.mkdir(parents=True, exist_ok=True)
     specs = metadata.rebalanced(world_size)
     writers = assign_writers(specs, world_size)
     plan = plan_writes(specs, world_size, writers)
@@ -272,14 +333,17 @@ def reshard_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str]
                                                            chunk_bytes)))
             base = written
             name = rank_file_name(rank)
-            size, checksum = write_safetensors(
-                out / name, sources, metadata=_file_metadata(rank, world_size),
-                progress=None if progress is None else lambda n: progress(base + n, total))
+            with _writing(out / name):
+                size, checksum = write_safetensors(
+                    out / name, sources, metadata=_file_metadata(rank, world_size),
+                    progress=None if progress is None else
+                    lambda n: progress(base + n, total))
             records.append(FileRecord(rank, name, size, checksum))
             written = base + plan.bytes_per_rank[rank]
     new = ShardMetadata(num_ranks=world_size, tensor_specs=specs, mesh=None,
                         extra=metadata.extra, step=metadata.step, writers=writers,
                         files=tuple(records), state=state)
-    write_bytes_atomic(out / METADATA_FILE, new.dumps().encode("utf-8"))
+    with _writing(out / METADATA_FILE):
+        write_bytes_atomic(out / METADATA_FILE, new.dumps().encode("utf-8"))
     return new
 

@@ -6,6 +6,13 @@ replicated), which rank's file holds each replicated tensor, and one
 :class:`FileRecord` per rank file with its size and block checksums. The JSON form is
 specified byte by byte in ``docs/PROTOCOL.md`` ("Checkpoint layout").
 
+Parsing is defensive: a checkpoint may come from anywhere, so every document is read by
+:func:`parse_json` (nesting bounded by ``MAX_JSON_DEPTH``) and every parsed value is
+checked before any of it is used: shapes are exact Python ints within ``MAX_NDIM`` and
+the int64 range, every rank's tensors fit in the file its record describes, file names
+are plain names inside the checkpoint directory, per-rank value lists have one entry
+per rank. Anything else is a ``CheckpointCorruptError`` naming the file.
+
 Non-tensor values (step counters, optimizer hyper-parameters, NumPy RNG states) travel
 through :func:`encode_object` / :func:`decode_object`, a JSON codec that round-trips the
 values JSON cannot carry natively: integers outside the signed 64-bit range (PCG64 states
@@ -20,7 +27,7 @@ import enum
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +44,9 @@ __all__ = [
     "LATEST_FILE",
     "CHECKSUM_ALGORITHM",
     "CHECKSUM_BLOCK_SIZE",
+    "MAX_JSON_DEPTH",
+    "MAX_NDIM",
+    "MAX_METADATA_BYTES",
     "Placement",
     "TensorShardSpec",
     "FileRecord",
@@ -45,6 +55,9 @@ __all__ = [
     "rank_file_name",
     "step_dir_name",
     "parse_step_dir_name",
+    "check_file_name",
+    "json_depth",
+    "parse_json",
     "encode_object",
     "decode_object",
 ]
@@ -59,7 +72,17 @@ CHECKSUM_BLOCK_SIZE = 256 << 10
 resharding load verifies exactly the blocks it reads instead of whole files; a read
 that starts or ends inside a block reads that whole block (at most 2 x 256 KiB extra)."""
 
+MAX_JSON_DEPTH = 128
+"""Deepest nesting of arrays/objects accepted in ``metadata.json`` and in a safetensors
+header (serde_json's default, which the reference safetensors parser uses). Deeper
+documents are refused before anything recurses over them."""
+MAX_NDIM = 64
+"""Most dimensions a stored tensor may have (NumPy's own limit)."""
+MAX_METADATA_BYTES = 1 << 30
+"""Largest ``metadata.json`` a reader accepts."""
+
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_HEX_RE = re.compile(r"[0-9a-fA-F]*")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _TAG = "$nd"
 _BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
@@ -85,6 +108,70 @@ def parse_step_dir_name(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def check_file_name(name: object, what: str = "file name") -> str:
+    """``name`` if it is a plain file name (one path component); else ``ValueError``.
+
+    Every file of a checkpoint lives directly in its directory, so a name holding a
+    separator, ``..``, a drive or a NUL byte can only point somewhere else.
+    """
+    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name
+            or "\\" in name or "\0" in name or ":" in name):
+        raise ValueError(f"{what} {name!r} is not a plain file name inside the checkpoint "
+                         f"directory")
+    return name
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0, ``[]`` is 1), without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return deepest
+
+
+def parse_json(text: str | bytes | bytearray, source: str, *,
+               max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse a JSON document read from ``source``, refusing one nested past ``max_depth``.
+
+    Every failure (not JSON, not UTF-8, integers too long, nesting too deep for the
+    parser or past the limit) is a ``CheckpointCorruptError`` that names ``source``, so
+    nothing that later walks the value recursively can run out of stack.
+    """
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise CheckpointCorruptError(
+            f"{source}: JSON nested deeper than {max_depth} levels") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointCorruptError(f"{source} is not JSON: {exc}") from exc
+    if json_depth(value) > max_depth:
+        raise CheckpointCorruptError(f"{source}: JSON nested deeper than {max_depth} levels")
+    return value
+
+
+def _strict_int(value: Any, what: str) -> int:
+    """A JSON integer (not a bool, float or string), as a Python int."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer, got {value!r:.60}")
+    return value
+
+
+def _describe_error(exc: BaseException) -> str:
+    if isinstance(exc, KeyError):
+        return f"missing key {exc.args[0]!r:.60}" if exc.args else "missing key"
+    return f"{type(exc).__name__}: {exc}"
+
+
 class Placement(str, enum.Enum):
     """How a tensor is laid out over the ranks that saved it."""
 
@@ -97,9 +184,13 @@ def _as_shape(shape: Any, what: str) -> tuple[int, ...]:
         dims = tuple(shape)
     except TypeError:
         raise TypeError(f"{what} must be a sequence of ints, got {shape!r}") from None
+    if len(dims) > MAX_NDIM:
+        raise ValueError(f"{what} has {len(dims)} dimensions, more than {MAX_NDIM}")
     for dim in dims:
         if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim < 0:
-            raise ValueError(f"{what} must hold ints >= 0, got {shape!r}")
+            raise ValueError(f"{what} must hold ints >= 0, got {shape!r:.80}")
+        if dim > _INT64_MAX:
+            raise ValueError(f"{what} has a dimension of {dim}, past the int64 range")
     return tuple(int(d) for d in dims)
 
 
@@ -121,6 +212,9 @@ class TensorShardSpec:
 
     def __post_init__(self) -> None:
         shape = _as_shape(self.full_shape, "full_shape")
+        if math.prod(shape) > _INT64_MAX:
+            raise ValueError(f"full_shape {shape} has {math.prod(shape)} elements, past the "
+                             f"int64 range")
         object.__setattr__(self, "full_shape", shape)
         sizes = _as_shape(self.shard_sizes, "shard_sizes")
         object.__setattr__(self, "shard_sizes", sizes)
@@ -205,10 +299,11 @@ class TensorShardSpec:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> TensorShardSpec:
         placement = Placement(data["placement"])
+        shape = _json_list(data["shape"], "shape")
         if placement is Placement.REPLICATED:
-            return cls(tuple(data["shape"]), None, (), data.get("dtype"))
-        return cls(tuple(data["shape"]), int(data["shard_dim"]), tuple(data["shard_sizes"]),
-                   data.get("dtype"))
+            return cls(shape, None, (), data.get("dtype"))
+        return cls(shape, _strict_int(data["shard_dim"], "shard_dim"),
+                   _json_list(data["shard_sizes"], "shard_sizes"), data.get("dtype"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +322,7 @@ class FileRecord:
     algorithm: str = CHECKSUM_ALGORITHM
 
     def __post_init__(self) -> None:
+        check_file_name(self.name, f"rank {self.rank}'s file name")
         if self.size < 0:
             raise ValueError(f"file size must be >= 0, got {self.size}")
         if self.block_size < 1:
@@ -235,6 +331,8 @@ class FileRecord:
         if len(self.checksum) != expected:
             raise ValueError(f"{self.name}: {len(self.checksum)} checksum digits for "
                              f"{self.size} bytes, expected {expected}")
+        if not _HEX_RE.fullmatch(self.checksum):
+            raise ValueError(f"{self.name}: checksum blocks are not hex digits")
 
     @property
     def num_blocks(self) -> int:
@@ -254,8 +352,12 @@ class FileRecord:
         if checksum["algorithm"] != CHECKSUM_ALGORITHM:
             raise CheckpointVersionError(
                 f"{data['name']}: unknown checksum algorithm {checksum['algorithm']!r}")
-        return cls(int(data["rank"]), str(data["name"]), int(data["size"]),
-                   str(checksum["blocks"]), int(checksum["block_size"]))
+        blocks = checksum["blocks"]
+        if not isinstance(blocks, str):
+            raise TypeError(f"checksum blocks must be a string, got {blocks!r:.60}")
+        return cls(_strict_int(data["rank"], "file rank"), data["name"],
+                   _strict_int(data["size"], "file size"), blocks,
+                   _strict_int(checksum["block_size"], "block_size"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,10 +381,61 @@ class StateLayout:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> StateLayout:
+        rank_objects = {}
+        for key, values in data.get("rank_objects", {}).items():
+            rank_objects[key] = tuple(decode_object(v) for v in _json_list(values, key))
         return cls(data["skeleton"],
                    {k: decode_object(v) for k, v in data.get("objects", {}).items()},
-                   {k: tuple(decode_object(v) for v in vs)
-                    for k, vs in data.get("rank_objects", {}).items()})
+                   rank_objects)
+
+    def check(self, num_ranks: int, tensors: Mapping[str, Any]) -> None:
+        """``ValueError`` unless the layout can be rebuilt: one value per rank for each
+        per-rank key, and a skeleton whose leaves name known tensors and values."""
+        for key, values in self.rank_objects.items():
+            if len(values) != num_ranks:
+                raise ValueError(f"per-rank value {key!r} has {len(values)} entries for "
+                                 f"{num_ranks} ranks")
+        for node in _skeleton_nodes(self.skeleton):
+            kind = node.get("t")
+            if kind == "tensor" and node.get("k") not in tensors:
+                raise ValueError(f"the state names tensor {node.get('k')!r:.60}, which the "
+                                 f"checkpoint does not hold")
+            if kind == "object" and (not isinstance(node.get("k"), str) or (
+                    node["k"] not in self.objects and node["k"] not in self.rank_objects)):
+                raise ValueError(f"the state names value {node.get('k')!r:.60}, which the "
+                                 f"checkpoint does not hold")
+
+
+def _json_list(value: Any, what: str) -> tuple[Any, ...]:
+    if not isinstance(value, list):
+        raise TypeError(f"{what} must be a list, got {value!r:.60}")
+    return tuple(value)
+
+
+def _skeleton_nodes(skeleton: Any) -> Iterator[dict[str, Any]]:
+    """Every node of a state skeleton, checking each one's form (no recursion)."""
+    stack = [skeleton]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or node.get("t") not in (
+                "tensor", "object", "dict", "list", "tuple"):
+            raise ValueError(f"malformed state skeleton node {node!r:.80}")
+        yield node
+        if node["t"] in ("tensor", "object"):
+            continue
+        items = node.get("items")
+        if not isinstance(items, list):
+            raise ValueError(f"state skeleton node without items: {node!r:.80}")
+        if node["t"] != "dict":
+            stack.extend(items)
+            continue
+        for item in items:
+            if not isinstance(item, list) or len(item) != 2:
+                raise ValueError(f"malformed state dict item {item!r:.80}")
+            key = decode_object(item[0])
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                raise ValueError(f"state dict key {key!r:.60} is not a str or int")
+            stack.append(item[1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +486,40 @@ class ShardMetadata:
             if not 0 <= writer < self.num_ranks:
                 raise ValueError(f"writer {writer} of {name!r} is not a rank")
 
+    def check_committed(self) -> None:
+        """``ValueError`` unless this describes a complete, self-consistent checkpoint.
+
+        One file record per rank; a dtype for every tensor and a writer for every
+        replicated one; every rank's tensors (counted exactly, in Python ints) fit in the
+        size its file record gives, so no reader sizes a buffer from a shape the files
+        cannot hold; the state layout (if any) can be rebuilt. ``from_json`` runs this on
+        every ``metadata.json`` it parses.
+        """
+        ranks = sorted(record.rank for record in self.files)
+        if len(ranks) != self.num_ranks or ranks != list(range(self.num_ranks)):
+            raise ValueError(f"file records are for ranks {ranks[:16]}, expected one for "
+                             f"each of the {self.num_ranks} ranks")
+        needed = [0] * self.num_ranks
+        for name, spec in self.tensor_specs.items():
+            if spec.dtype is None:
+                raise ValueError(f"tensor {name!r} has no dtype")
+            itemsize = WIRE_DTYPES[spec.dtype].itemsize
+            if spec.shard_dim is None:
+                if name not in self.writers:
+                    raise ValueError(f"replicated tensor {name!r} has no writer")
+                needed[self.writers[name]] += math.prod(spec.full_shape) * itemsize
+                continue
+            rest = math.prod(spec.full_shape) // max(spec.full_shape[spec.shard_dim], 1)
+            for rank, extent in enumerate(spec.shard_sizes):
+                needed[rank] += extent * rest * itemsize
+        for record in self.files:
+            if needed[record.rank] > record.size:
+                raise ValueError(
+                    f"rank {record.rank}'s tensors need {needed[record.rank]} bytes, but its "
+                    f"file {record.name} has {record.size}")
+        if self.state is not None:
+            self.state.check(self.num_ranks, self.tensor_specs)
+
     def file_for(self, rank: int) -> FileRecord | None:
         for record in self.files:
             if record.rank == rank:
@@ -361,8 +548,14 @@ class ShardMetadata:
 
     def dumps(self) -> str:
         """The ``metadata.json`` text: one top-level key per line, one tensor or file
-        record per line (diff- and grep-friendly), plain JSON all the same."""
+        record per line (diff- and grep-friendly), plain JSON all the same. A document
+        that readers would refuse as nested too deeply (``MAX_JSON_DEPTH``) is refused
+        here, at save time."""
         doc = self.to_json()
+        depth = json_depth(doc)
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"the checkpoint metadata would be nested {depth} levels deep; "
+                             f"readers accept at most {MAX_JSON_DEPTH} (flatten the state)")
 
         def compact(value: Any) -> str:
             return json.dumps(value, separators=(", ", ": "), allow_nan=False)
@@ -391,49 +584,71 @@ class ShardMetadata:
         return "\n".join(lines) + "\n"
 
     @classmethod
-    def from_json(cls, data: Any) -> ShardMetadata:
-        """Parse the JSON form; unknown newer versions raise ``CheckpointVersionError``."""
+    def from_json(cls, data: Any, source: str = METADATA_FILE) -> ShardMetadata:
+        """Parse and check (:meth:`check_committed`) the JSON form read from ``source``.
+
+        Malformed or inconsistent documents raise ``CheckpointCorruptError`` naming
+        ``source``; newer format versions raise ``CheckpointVersionError``.
+        """
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-            raise CheckpointCorruptError("not a netdist checkpoint metadata document")
+            raise CheckpointCorruptError(f"{source}: not a netdist checkpoint metadata "
+                                         f"document")
         version = data.get("version")
-        if not isinstance(version, int) or version < 1:
-            raise CheckpointCorruptError(f"invalid format version {version!r}")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise CheckpointCorruptError(f"{source}: invalid format version {version!r:.40}")
         if version > FORMAT_VERSION:
             raise CheckpointVersionError(
-                f"checkpoint format version {version} is newer than this netdist "
+                f"{source}: checkpoint format version {version} is newer than this netdist "
                 f"supports ({FORMAT_VERSION}); upgrade netdist to read it")
         try:
-            specs = {}
-            writers = {}
-            for name, entry in data["tensors"].items():
-                specs[name] = TensorShardSpec.from_json(entry)
-                if "writer" in entry:
-                    writers[name] = int(entry["writer"])
-            state = data.get("state")
-            return cls(
-                num_ranks=int(data["num_ranks"]),
-                tensor_specs=specs,
-                version=version,
-                mesh=decode_object(data["mesh"]) if data.get("mesh") is not None else None,
-                extra=decode_object(data.get("extra", {})),
-                step=data.get("step"),
-                writers=writers,
-                files=tuple(FileRecord.from_json(f) for f in data.get("files", [])),
-                state=StateLayout.from_json(state) if state is not None else None,
-                generation=int(data.get("generation", 0)),
-            )
-        except CheckpointVersionError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CheckpointCorruptError(f"malformed checkpoint metadata: {exc!r}") from exc
+            metadata = cls._from_document(data, version)
+            metadata.check_committed()
+        except CheckpointVersionError as exc:
+            raise CheckpointVersionError(f"{source}: {exc}") from exc
+        except CheckpointCorruptError as exc:
+            raise CheckpointCorruptError(f"{source}: {exc}") from exc
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise CheckpointCorruptError(f"{source}: malformed checkpoint metadata: "
+                                         f"{_describe_error(exc)}") from exc
+        return metadata
 
     @classmethod
-    def loads(cls, text: str | bytes) -> ShardMetadata:
-        try:
-            data = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CheckpointCorruptError(f"metadata is not valid JSON: {exc}") from exc
-        return cls.from_json(data)
+    def _from_document(cls, data: dict[str, Any], version: int) -> ShardMetadata:
+        num_ranks = _strict_int(data["num_ranks"], "num_ranks")
+        tensors = data["tensors"]
+        if not isinstance(tensors, dict):
+            raise TypeError(f"tensors must be an object, got {tensors!r:.60}")
+        specs = {}
+        writers = {}
+        for name, entry in tensors.items():
+            specs[name] = TensorShardSpec.from_json(entry)
+            if "writer" in entry:
+                writers[name] = _strict_int(entry["writer"], f"writer of {name!r}")
+        files = tuple(FileRecord.from_json(f) for f in _json_list(data.get("files", []),
+                                                                     "files"))
+        if num_ranks < 1 or num_ranks != len(files):
+            raise ValueError(f"num_ranks is {num_ranks}, with {len(files)} file records")
+        step = data.get("step")
+        if step is not None and (_strict_int(step, "step") < 0):
+            raise ValueError(f"step must be >= 0, got {step}")
+        state = data.get("state")
+        return cls(
+            num_ranks=num_ranks,
+            tensor_specs=specs,
+            version=version,
+            mesh=decode_object(data["mesh"]) if data.get("mesh") is not None else None,
+            extra=decode_object(data.get("extra", {})),
+            step=step,
+            writers=writers,
+            files=files,
+            state=StateLayout.from_json(state) if state is not None else None,
+            generation=_strict_int(data.get("generation", 0), "generation"),
+        )
+
+    @classmethod
+    def loads(cls, text: str | bytes, source: str = METADATA_FILE) -> ShardMetadata:
+        """Parse ``metadata.json`` text (read from ``source``, named in every error)."""
+        return cls.from_json(parse_json(text, source), source)
 
     def local_shapes(self, rank: int) -> dict[str, tuple[int, ...]]:
         """Shape of every tensor as held by ``rank`` (full shape for replicated ones)."""
@@ -543,7 +758,7 @@ def decode_object(data: Any) -> Any:
             return np.random.Generator(_bit_generator_from_state(decode_object(value)))
         if tag == "bit_generator":
             return _bit_generator_from_state(decode_object(value))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise CheckpointCorruptError(f"malformed encoded value {data!r:.80}: {exc}") from exc
     raise CheckpointCorruptError(f"unknown encoded value tag {tag!r}")
 

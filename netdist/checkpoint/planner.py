@@ -11,16 +11,19 @@ talking to the others, and tests build every rank's plan in one process:
   coordinates) onto the stored shards that overlap it: only those regions are read.
 - :func:`run_layout` describes a box of a C-ordered array as a grid of contiguous runs,
   which is what turns a read plan into ``pread`` calls.
+
+Sizes are exact Python ints (``math.prod``), never NumPy's wrapping int64, so a shape
+from a hostile file cannot wrap around to a small byte count.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
-
 from netdist.checkpoint.metadata import TensorShardSpec
+from netdist.errors import CheckpointCorruptError
 from netdist.types import WIRE_DTYPES
 
 __all__ = [
@@ -51,7 +54,8 @@ def box_shape(box: Box) -> tuple[int, ...]:
 
 
 def box_size(box: Box) -> int:
-    return int(np.prod(box_shape(box), dtype=np.int64)) if box else 1
+    """Elements in ``box``, exactly (1 for the 0-d box)."""
+    return math.prod(box_shape(box))
 
 
 def intersect(a: Box, b: Box) -> Box | None:
@@ -111,7 +115,7 @@ def assign_writers(specs: Mapping[str, TensorShardSpec], num_ranks: int) -> dict
     for name, spec in specs.items():
         itemsize = _itemsize(spec)
         if spec.shard_dim is None:
-            replicated.append((int(np.prod(spec.full_shape, dtype=np.int64)) * itemsize, name))
+            replicated.append((math.prod(spec.full_shape) * itemsize, name))
         else:
             for rank in range(num_ranks):
                 load[rank] += box_size(spec.box(rank)) * itemsize
@@ -139,7 +143,7 @@ def plan_writes(specs: Mapping[str, TensorShardSpec], num_ranks: int,
         for rank in range(num_ranks):
             shape = spec.local_shape(rank)
             items[rank].append(WriteItem(name, shape, spec.dtype,
-                                         int(np.prod(shape, dtype=np.int64)) * itemsize, False))
+                                         math.prod(shape) * itemsize, False))
     totals = tuple(sum(item.nbytes for item in rank_items) for rank_items in items)
     return WritePlan(num_ranks, dict(writers), tuple(tuple(r) for r in items), totals)
 
@@ -188,7 +192,8 @@ def plan_reads(saved: Mapping[str, TensorShardSpec], writers: Mapping[str, int],
             continue
         if spec.shard_dim is None:
             if name not in writers:
-                raise ValueError(f"no writer recorded for replicated tensor {name!r}")
+                raise CheckpointCorruptError(
+                    f"no writer recorded for replicated tensor {name!r}")
             plan[name] = (ReadItem(name, writers[name], spec.full_shape, want,
                                    _shift(want, want)),)
             continue

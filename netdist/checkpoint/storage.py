@@ -7,6 +7,12 @@ partial file under the final name, and an existing file is never written in plac
 rename replaces the name; a reader that has the old file open or mapped keeps the old
 bytes).
 
+Opening: every file a reader opens (shard files, ``metadata.json``) goes through
+:func:`open_checkpoint_file`: the path must resolve inside the checkpoint directory, must
+be a regular file, and is opened with ``O_NONBLOCK`` (cleared once it is known to be a
+regular file), so a FIFO, device or socket put in a checkpoint is refused at once instead
+of blocking a reader thread forever.
+
 Reading: :class:`ShardFile` parses the header itself and reads with ``os.preadv``
 straight into the destination array. With ``verify=True`` every block a read touches is
 checked against the CRC recorded in the metadata (whole blocks at the edges go through
@@ -20,9 +26,11 @@ netdist writes); ``docs/PROTOCOL.md`` has the byte layout.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import shutil
+import stat
 import struct
 import threading
 import zlib
@@ -33,9 +41,18 @@ from typing import Any
 
 import numpy as np
 
-from netdist.checkpoint.metadata import CHECKSUM_BLOCK_SIZE, FileRecord
+from netdist.checkpoint.metadata import (
+    CHECKSUM_BLOCK_SIZE,
+    MAX_METADATA_BYTES,
+    MAX_NDIM,
+    METADATA_FILE,
+    FileRecord,
+    ShardMetadata,
+    check_file_name,
+    parse_json,
+)
 from netdist.checkpoint.planner import Box, box_shape, run_layout
-from netdist.errors import CheckpointCorruptError, CheckpointNotFoundError
+from netdist.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from netdist.types import WIRE_DTYPES, dtype_to_wire
 
 __all__ = [
@@ -51,6 +68,10 @@ __all__ = [
     "remove_tree_atomic",
     "temp_name",
     "is_temp_name",
+    "open_checkpoint_file",
+    "read_checkpoint_file",
+    "read_metadata",
+    "read_metadata_text",
     "ShardFile",
     "byte_view",
 ]
@@ -144,6 +165,122 @@ def remove_tree_atomic(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+# --------------------------------------------------------------------------- safe open
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+               (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"))
+
+
+def _kind(mode: int) -> str:
+    for test, name in _FILE_KINDS:
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _inside(directory: Path, path: Path) -> Path:
+    """``path`` with every symlink resolved, refused unless it lies inside ``directory``."""
+    root = Path(os.path.realpath(directory))
+    real = Path(os.path.realpath(path))
+    if real == root or root not in real.parents:
+        raise CheckpointCorruptError(f"{path} resolves to {real}, outside the checkpoint "
+                                     f"directory {root}")
+    return real
+
+
+def open_checkpoint_file(directory: str | os.PathLike[str], name: str) -> int:
+    """Open the checkpoint file ``name`` of ``directory`` read-only; return the descriptor.
+
+    The one way readers open checkpoint files. ``name`` must be a plain file name, the
+    path (symlinks resolved) must lie inside ``directory``, and it must be a regular file:
+    checked with ``lstat`` before opening and ``fstat`` after (same inode), the open
+    itself non-blocking and not following a final symlink, so neither a FIFO, a device
+    nor a file swapped in between can block or redirect the reader. Raises
+    ``CheckpointNotFoundError`` when the file is missing, ``CheckpointCorruptError`` for
+    a name or file that does not belong, ``CheckpointError`` for other OS errors, each
+    naming the path.
+    """
+    directory = Path(directory)
+    try:
+        check_file_name(name)
+    except ValueError as exc:
+        raise CheckpointCorruptError(f"{directory}: {exc}") from None
+    path = directory / name
+    real = _inside(directory, path)
+    try:
+        before = os.lstat(real)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"checkpoint file {path} is missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot open {path}: {exc.strerror}") from exc
+    if not stat.S_ISREG(before.st_mode):
+        raise CheckpointCorruptError(f"{path} is {_kind(before.st_mode)}, not a regular file")
+    nonblock = getattr(os, "O_NONBLOCK", 0)
+    flags = os.O_RDONLY | nonblock | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(real, flags)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"checkpoint file {path} is missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot open {path}: {exc.strerror}") from exc
+    try:
+        after = os.fstat(fd)
+        if (not stat.S_ISREG(after.st_mode)
+                or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino)):
+            raise CheckpointCorruptError(f"{path} was replaced while being opened")
+        if nonblock:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_checkpoint_file(directory: str | os.PathLike[str], name: str, *,
+                         max_bytes: int) -> bytes:
+    """The whole content of a small checkpoint file, opened by :func:`open_checkpoint_file`.
+
+    A file larger than ``max_bytes`` is ``CheckpointCorruptError`` (read nothing).
+    """
+    path = Path(directory) / name
+    fd = open_checkpoint_file(directory, name)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise CheckpointCorruptError(f"{path} is {size} bytes, more than the "
+                                         f"{max_bytes} a reader accepts")
+        chunks = []
+        total = 0
+        while chunk := os.read(fd, max(size, 1 << 16)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:
+                raise CheckpointCorruptError(f"{path} grew past {max_bytes} bytes while "
+                                             f"being read")
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
+
+
+def read_metadata_text(directory: str | os.PathLike[str]) -> str:
+    """The text of ``directory/metadata.json``, read safely (for sending to other ranks)."""
+    raw = read_checkpoint_file(directory, METADATA_FILE, max_bytes=MAX_METADATA_BYTES)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointCorruptError(f"{Path(directory) / METADATA_FILE} is not UTF-8: "
+                                     f"{exc}") from None
+
+
+def read_metadata(directory: str | os.PathLike[str]) -> ShardMetadata:
+    """Read and check ``directory/metadata.json`` (errors name that path)."""
+    return ShardMetadata.loads(read_metadata_text(directory),
+                               source=str(Path(directory) / METADATA_FILE))
+
+
 def _unlink_quietly(path: Path) -> None:
     try:
         os.unlink(path)
@@ -197,7 +334,7 @@ class TensorSource:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * WIRE_DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * WIRE_DTYPES[self.dtype].itemsize
 
     def iter_chunks(self) -> Iterator[np.ndarray]:
         if self.data is not None:
@@ -243,7 +380,7 @@ def build_header(sources: Sequence[tuple[str, str, tuple[int, ...]]],
         if name in names or name == "__metadata__":
             raise ValueError(f"duplicate or reserved tensor name {name!r}")
         names.add(name)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * WIRE_DTYPES[dtype].itemsize
+        nbytes = math.prod(shape) * WIRE_DTYPES[dtype].itemsize
         header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                         "data_offsets": [offset, offset + nbytes]}
         layout.append((name, dtype, tuple(shape), offset, offset + nbytes))
@@ -323,12 +460,40 @@ def _as_le_contiguous(array: Any, dtype: str) -> np.ndarray:
     return array
 
 
+def _header_entry(name: str, info: Any, data_start: int) -> HeaderEntry:
+    """One safetensors header entry, checked with exact integers (no int64 wrap-around):
+    a known dtype, at most ``MAX_NDIM`` non-negative dims, and offsets spanning exactly
+    the tensor's bytes."""
+    if not isinstance(info, dict):
+        raise TypeError(f"{name!r}: entry is not an object")
+    dtype = _FROM_SAFETENSORS[info["dtype"]]
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"{name!r}: dtype {info['dtype']} is not supported here")
+    shape = info["shape"]
+    offsets = info["data_offsets"]
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        raise ValueError(f"{name!r}: shape must be a list of at most {MAX_NDIM} dims")
+    if not isinstance(offsets, list) or len(offsets) != 2:
+        raise ValueError(f"{name!r}: data_offsets must be [begin, end]")
+    for value in (*shape, *offsets):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name!r}: {value!r:.40} is not an integer >= 0")
+    begin, end = offsets
+    nbytes = math.prod(shape) * WIRE_DTYPES[dtype].itemsize
+    if end - begin != nbytes:
+        raise ValueError(f"{name!r}: offsets {begin}..{end} do not hold {dtype} "
+                         f"{tuple(shape)} ({nbytes} bytes)")
+    return HeaderEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
 class ShardFile:
     """A checkpoint shard file opened for verified random-access reads.
 
     ``record`` (from the metadata) gives the expected size and block CRCs; with
     ``verify=True`` a size mismatch is reported at open and every block a read touches
-    is checked once. Thread-safe: reads use ``os.preadv`` on one descriptor.
+    is checked once. The file is opened by :func:`open_checkpoint_file` with its parent
+    as the checkpoint directory (a regular file, not reached through a symlink leading
+    elsewhere). Thread-safe: reads use ``os.preadv`` on one descriptor.
     """
 
     def __init__(self, path: str | os.PathLike[str], record: FileRecord | None = None, *,
@@ -336,10 +501,7 @@ class ShardFile:
         self.path = Path(path)
         self.record = record
         self.verify = verify and record is not None
-        try:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"shard file {self.path} is missing") from None
+        self._fd = open_checkpoint_file(self.path.parent, self.path.name)
         self._lock = threading.Lock()
         self._local = threading.local()
         self._verified: set[int] = set()
@@ -379,25 +541,18 @@ class ShardFile:
                                          f"for a {self.size}-byte file")
         raw = bytearray(length)
         self.read_into(8, memoryview(raw))
-        try:
-            header = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CheckpointCorruptError(f"{self.path}: header is not JSON: {exc}") from exc
+        header = parse_json(raw, f"{self.path}: header")
         if not isinstance(header, dict):
             raise CheckpointCorruptError(f"{self.path}: header is not a JSON object")
         data_start = 8 + length
         user = header.pop("__metadata__", None) or {}
+        if not isinstance(user, dict) or not all(isinstance(v, str) for v in user.values()):
+            raise CheckpointCorruptError(f"{self.path}: __metadata__ is not an object of "
+                                         f"strings")
         entries = {}
         try:
             for name, info in header.items():
-                dtype = _FROM_SAFETENSORS[info["dtype"]]
-                shape = tuple(int(d) for d in info["shape"])
-                begin, end = (int(x) for x in info["data_offsets"])
-                nbytes = int(np.prod(shape, dtype=np.int64)) * WIRE_DTYPES[dtype].itemsize
-                if end - begin != nbytes or begin < 0:
-                    raise ValueError(f"{name}: offsets {begin}..{end} do not hold {shape}")
-                entries[name] = HeaderEntry(name, dtype, shape, data_start + begin,
-                                            data_start + end)
+                entries[name] = _header_entry(name, info, data_start)
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointCorruptError(f"{self.path}: bad header entry: {exc}") from exc
         position = data_start
@@ -422,7 +577,11 @@ class ShardFile:
         got = 0
         total = len(out)
         while got < total:
-            n = os.preadv(self._fd, [out[got:]], offset + got)
+            try:
+                n = os.preadv(self._fd, [out[got:]], offset + got)
+            except OSError as exc:
+                raise CheckpointError(f"{self.path}: read of {total - got} bytes at "
+                                      f"{offset + got} failed: {exc.strerror}") from exc
             if n == 0:
                 raise CheckpointCorruptError(f"{self.path}: unexpected end of file at "
                                              f"{offset + got} (truncated)")
@@ -566,7 +725,7 @@ class ShardFile:
         corner = sum(lo * s for (lo, _), s in zip(box, strides))
         k, run = run_layout(shape, box)
         grid = box_shape(box)[:k]
-        n_runs = int(np.prod(grid, dtype=np.int64)) if grid else 1
+        n_runs = math.prod(grid)
         if n_runs == 1:  # one contiguous byte range
             offset = base + corner * itemsize
             if dest.flags.c_contiguous:
@@ -611,7 +770,7 @@ class ShardFile:
         itemsize = dtype.itemsize
         if dest.ndim == 0:
             dest = dest.reshape(1)
-        row = int(np.prod(dest.shape[1:], dtype=np.int64)) if dest.ndim > 1 else 1
+        row = math.prod(dest.shape[1:])
         rows_per = _SCRATCH_BYTES // max(row * itemsize, 1)
         if rows_per < 1:
             for i in range(dest.shape[0]):

@@ -8,7 +8,10 @@
     netdist ckpt reshard DIR --world-size N OUT   rewrite for N ranks
 
 ``DIR`` is a checkpoint directory or a root holding ``step_*`` directories (``latest``
-or ``--step`` picks one). Long operations draw a progress line on stderr.
+or ``--step`` picks one). Long operations report progress on stderr: redrawn in place on
+a terminal, as whole lines (a few, then a final one) when stderr is a file or a pipe.
+Bad arguments (an output that is a directory, in a missing directory or inside the
+source) are one-line usage errors, exit code 2.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
+from types import TracebackType
 from typing import Any, TextIO
 
 __all__ = ["add_parser", "run"]
@@ -61,31 +66,81 @@ def _size(n: int) -> str:
 
 
 class _ProgressLine:
-    """A throttled ``label: done/total (pct)`` line on stderr, ended by ``finish()``."""
+    """``label: done / total (pct)`` progress on stderr, for use as a context manager.
 
-    def __init__(self, label: str, stream: TextIO | None = None) -> None:
+    On a terminal the line is redrawn in place (``\r``, at most every 0.2 s) and ended by
+    :meth:`finish`. Anywhere else (a file, a pipe, a CI log) ``\r`` frames would pile up
+    on one line, so progress is written as whole lines: one every ``log_interval`` seconds
+    and a final one from :meth:`finish`. Leaving the ``with`` block ends a partly drawn
+    line, so an error reported next starts on its own line.
+    """
+
+    def __init__(self, label: str, stream: TextIO | None = None, *,
+                 interactive: bool | None = None, log_interval: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
-        self._last = 0.0
-        self._shown = False
-        self._started = time.perf_counter()
+        self.interactive = _is_terminal(self.stream) if interactive is None else interactive
+        self.log_interval = log_interval
+        self._clock = clock
+        self._started = clock()
+        self._last = self._started
+        self._state: tuple[int, int] | None = None
+        self._open = False  # a redrawn line without its newline is on the terminal
+
+    def __enter__(self) -> _ProgressLine:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._end_line()
+
+    def _text(self, done: int, total: int) -> str:
+        pct = 100.0 * done / total if total else 100.0
+        return f"{self.label}: {_size(done)} / {_size(total)} ({pct:5.1f}%)"
 
     def __call__(self, done: int, total: int) -> None:
-        now = time.perf_counter()
-        if now - self._last < 0.2 and done < total:
-            return
-        self._last = now
         done = min(done, total)
-        pct = 100.0 * done / total if total else 100.0
-        self.stream.write(f"\r{self.label}: {_size(done)} / {_size(total)} ({pct:5.1f}%)")
-        self.stream.flush()
-        self._shown = True
+        self._state = (done, total)
+        now = self._clock()
+        if self.interactive:
+            if now - self._last < 0.2 and done < total and self._open:
+                return
+            self._last = now
+            self.stream.write(f"\r{self._text(done, total)}")
+            self.stream.flush()
+            self._open = True
+        elif now - self._last >= self.log_interval and done < total:
+            self._last = now
+            self.stream.write(f"{self._text(done, total)}\n")
+            self.stream.flush()
 
     def finish(self) -> None:
-        if self._shown:
-            elapsed = time.perf_counter() - self._started
-            self.stream.write(f"  {elapsed:.1f} s\n")
+        """Report completion: the elapsed time ends the terminal line, or a final whole
+        line is written (nothing if no progress was ever reported)."""
+        if self._state is None:
+            return
+        elapsed = self._clock() - self._started
+        if self.interactive:
+            self.stream.write(f"\r{self._text(*self._state)}  {elapsed:.1f} s\n")
+            self._open = False
+        else:
+            self.stream.write(f"{self._text(*self._state)}  {elapsed:.1f} s\n")
+        self.stream.flush()
+        self._state = None
+
+    def _end_line(self) -> None:
+        if self._open:
+            self.stream.write("\n")
             self.stream.flush()
+            self._open = False
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -128,9 +183,9 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from netdist.checkpoint import verify_checkpoint
 
-    progress = _ProgressLine("verify")
-    report = verify_checkpoint(args.dir, args.step, progress=progress)
-    progress.finish()
+    with _ProgressLine("verify") as progress:
+        report = verify_checkpoint(args.dir, args.step, progress=progress)
+        progress.finish()
     if report.ok:
         print(f"OK: {report.path}: {report.files} files, {_size(report.nbytes)} verified")
         return 0
@@ -143,10 +198,10 @@ def _verify(args: argparse.Namespace) -> int:
 def _consolidate(args: argparse.Namespace) -> int:
     from netdist.checkpoint import consolidate
 
-    progress = _ProgressLine("consolidate")
-    out = consolidate(args.dir, args.out, step=args.step, verify=not args.no_verify,
-                      progress=progress)
-    progress.finish()
+    with _ProgressLine("consolidate") as progress:
+        out = consolidate(args.dir, args.out, step=args.step, verify=not args.no_verify,
+                          progress=progress)
+        progress.finish()
     print(f"wrote {out}")
     return 0
 
@@ -157,11 +212,11 @@ def _reshard(args: argparse.Namespace) -> int:
 
     if args.world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
-    progress = _ProgressLine("reshard")
-    metadata = reshard_checkpoint(args.dir, args.out, args.world_size, step=args.step,
-                                  verify=not args.no_verify, rank_objects=args.rank_objects,
-                                  progress=progress)
-    progress.finish()
+    with _ProgressLine("reshard") as progress:
+        metadata = reshard_checkpoint(args.dir, args.out, args.world_size, step=args.step,
+                                      verify=not args.no_verify,
+                                      rank_objects=args.rank_objects, progress=progress)
+        progress.finish()
     print(f"wrote {args.out}: {metadata.num_ranks} ranks, {len(metadata.tensor_specs)} tensors")
     return 0
 

@@ -149,13 +149,22 @@ async def test_staging_buffers_are_reused_across_saves(tmp_path: Path) -> None:
 async def test_write_errors_surface_through_the_future(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_bytes(b"not a directory")
+    expected = (f"rank 0 could not prepare checkpoint {blocker}/step_000001: "
+                f"[Errno 17] File exists: '{blocker}'")
     with AsyncCheckpointer(blocker, 0, 1) as ckpt:
-        future = ckpt.save_async(_state())
-        with pytest.raises(OSError):
+        future = ckpt.save_async(_state(), step=1)
+        with pytest.raises(CheckpointError) as raised:
             await future
-        with pytest.raises(OSError):
+        assert str(raised.value) == expected
+        assert isinstance(raised.value.__cause__, FileExistsError)
+        with pytest.raises(CheckpointError, match="could not prepare"):
             future.wait()
-        assert future.done() and isinstance(future.exception(), OSError)
+        assert future.done() and type(future.exception()) is CheckpointError
+        standalone = ckpt.save_async(_state())  # no step: the directory itself
+        with pytest.raises(CheckpointError, match=f"rank 0 could not prepare checkpoint "
+                                                  f"{blocker}: .Errno 17. File exists"):
+            await standalone
+        assert blocker.read_bytes() == b"not a directory"
 
 
 def test_invalid_input_raises_synchronously(tmp_path: Path) -> None:
@@ -165,6 +174,8 @@ def test_invalid_input_raises_synchronously(tmp_path: Path) -> None:
             ckpt.save_async(_state())  # full arrays where rank 0's shards are expected
     with pytest.raises(ValueError, match="out of range"):
         AsyncCheckpointer(tmp_path, 2, 2)
+    with pytest.raises(ValueError, match="keep_last must be an int >= 1, got 0"):
+        AsyncCheckpointer(tmp_path, 0, 1, keep_last=0)
 
 
 def test_closed_checkpointer_refuses_and_close_is_idempotent(tmp_path: Path) -> None:

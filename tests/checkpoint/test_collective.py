@@ -256,6 +256,9 @@ async def test_crash_leftovers_are_cleaned_on_next_save(tmp_path: Path) -> None:
     (tmp_path / "step_000007" / "rank_00000.safetensors").write_bytes(b"partial")
     (tmp_path / ".trash-step_000001-abcd").mkdir()
     (tmp_path / ".latest.tmp.1.ab").write_bytes(b"x")
+    (tmp_path / ".step_000003.tmp-0123abcd").mkdir()  # a staging directory
+    (tmp_path / ".step_000003.tmp-0123abcd" / "rank_00001.safetensors").write_bytes(b"x")
+    (tmp_path / ".step_000009.old-0123abcd").mkdir()  # an aside, half deleted
     await run_ranks(2, lambda g: save(train_state(g.rank, 2), tmp_path, g,
                                       timeout=OP_TIMEOUT))
     assert sorted(os.listdir(tmp_path)) == ["latest", "step_000000"]

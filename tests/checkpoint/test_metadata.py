@@ -10,13 +10,17 @@ import pytest
 
 from netdist.checkpoint.metadata import (
     FORMAT_VERSION,
+    MAX_JSON_DEPTH,
     FileRecord,
     Placement,
     ShardMetadata,
     StateLayout,
     TensorShardSpec,
+    check_file_name,
     decode_object,
     encode_object,
+    json_depth,
+    parse_json,
     parse_step_dir_name,
     rank_file_name,
     step_dir_name,
@@ -72,7 +76,7 @@ def _metadata() -> ShardMetadata:
         "w": TensorShardSpec((5, 3), 1, (2, 1), "float32"),
         "b": TensorShardSpec.replicated((3,), "float64"),
     }
-    files = (FileRecord(0, rank_file_name(0), 10, "0000000a"),
+    files = (FileRecord(0, rank_file_name(0), 200, "0000000a"),
              FileRecord(1, rank_file_name(1), 2**18 + 1, "00000001ffffffff"))
     state = StateLayout({"t": "object", "k": "step"}, {"step": 7}, {"rng": (1, 2**100)})
     return ShardMetadata(2, specs, mesh={"shape": [2], "dim_names": ["dp"]},
@@ -229,3 +233,44 @@ def test_metadata_json_golden_text() -> None:
  "state": null
 }
 """
+
+
+def test_json_depth_and_bounded_parse() -> None:
+    assert [json_depth(v) for v in (1, [], {"a": [1, {"b": []}]}, [[[]]])] == [0, 1, 4, 3]
+    at_limit = "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH
+    assert json_depth(parse_json(at_limit, "doc.json")) == MAX_JSON_DEPTH
+    with pytest.raises(CheckpointCorruptError, match=r"^doc\.json: JSON nested deeper than 128"):
+        parse_json("[" + at_limit + "]", "doc.json")
+    with pytest.raises(CheckpointCorruptError, match=r"^doc\.json: JSON nested deeper"):
+        parse_json("{\"a\": " * 200_000 + "1" + "}" * 200_000, "doc.json")  # past the stack
+    with pytest.raises(CheckpointCorruptError, match=r"^doc\.json is not JSON"):
+        parse_json(b"\xff", "doc.json")
+
+
+def test_metadata_too_deep_for_readers_is_refused_at_save() -> None:
+    nested: object = 1
+    for _ in range(130):
+        nested = [nested]
+    meta = ShardMetadata(1, {}, extra={"deep": nested})
+    with pytest.raises(ValueError, match="readers accept at most 128"):
+        meta.dumps()
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../x", "/abs", "a/b", "a\\b", "c:x",
+                                  "nul\0"])
+def test_file_names_must_be_plain(name: str) -> None:
+    with pytest.raises(ValueError, match="is not a plain file name"):
+        check_file_name(name)
+    with pytest.raises(ValueError, match="is not a plain file name"):
+        FileRecord(0, name, 0, "")
+    assert check_file_name("rank_00000.safetensors") == "rank_00000.safetensors"
+
+
+def test_shapes_are_bounded() -> None:
+    with pytest.raises(ValueError, match="more than 64"):
+        TensorShardSpec.replicated((1,) * 65)
+    with pytest.raises(ValueError, match="past the int64 range"):
+        TensorShardSpec.replicated((2**63,))
+    with pytest.raises(ValueError, match="past the int64 range"):
+        TensorShardSpec.replicated((2**32, 2**32))
+    assert TensorShardSpec.replicated((2**62, 0)).full_shape == (2**62, 0)

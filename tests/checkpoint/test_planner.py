@@ -66,6 +66,22 @@ def test_plan_for_rank_out_of_range() -> None:
         plan_writes({}, 2).for_rank(2)
 
 
+def test_sizes_are_exact_not_int64() -> None:
+    # 2**32 x 2**32 elements wrap to 0 in NumPy's int64; plans count them exactly
+    assert box_size(((0, 2**32), (0, 2**32))) == 2**64
+    spec = TensorShardSpec((2**31, 2**31), 0, (2**30, 2**30), "float32")
+    plan = plan_writes({"w": spec}, 2)
+    assert plan.bytes_per_rank == (2**63, 2**63)
+
+
+def test_missing_writer_is_a_corrupt_checkpoint() -> None:
+    from netdist.errors import CheckpointCorruptError
+
+    with pytest.raises(CheckpointCorruptError, match="no writer recorded for replicated "
+                                                     "tensor 'r'"):
+        plan_reads({"r": _rep(2)}, {}, {"r": ((0, 2),)})
+
+
 def test_intersect_and_box_helpers() -> None:
     assert intersect(((0, 5), (2, 4)), ((3, 9), (0, 3))) == ((3, 5), (2, 3))
     assert intersect(((0, 5),), ((5, 9),)) is None

@@ -1,0 +1,358 @@
+"""Hostile checkpoints built on disk: every reader refuses them with a ``CheckpointError``
+naming the file, without blocking, without leaving the checkpoint directory, and on every
+rank of a collective load (issue 12, items 3, 4 and 5)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from netdist.checkpoint import (
+    ShardedArray,
+    TensorShardSpec,
+    consolidate,
+    flat_shard_metadata,
+    load,
+    load_distributed,
+    save,
+    save_distributed,
+    shard_state_dict,
+    verify_checkpoint,
+)
+from netdist.checkpoint.metadata import METADATA_FILE, ShardMetadata
+from netdist.checkpoint.storage import (
+    BlockChecksum,
+    ShardFile,
+    open_checkpoint_file,
+    read_metadata,
+)
+from netdist.collectives import Group
+from netdist.errors import CheckpointCorruptError, CheckpointError
+from netdist.transport import InProcessTransport
+
+pytestmark = pytest.mark.timeout(60)  # a regression that blocks fails instead of hanging
+
+OP_TIMEOUT = 5.0
+FULL: dict[str, np.ndarray] = {
+    "w": np.arange(8 * 3, dtype=np.float32).reshape(8, 3),
+    "b": np.arange(3, dtype=np.float64),
+}
+
+
+def _per_rank_checkpoint(directory: Path) -> Path:
+    """A 2-rank checkpoint in ``directory``: ``w`` sharded along dim 0, ``b`` replicated."""
+    meta = flat_shard_metadata(FULL, 2)
+    specs = dict(meta.tensor_specs)
+    specs["b"] = TensorShardSpec.replicated((3,), "float64")
+    meta = ShardMetadata(2, specs)
+    for rank in range(2):
+        save_distributed(shard_state_dict(FULL, meta, rank), directory, rank, 2, meta)
+    return directory
+
+
+@pytest.fixture
+def ck(tmp_path: Path) -> Path:
+    return _per_rank_checkpoint(tmp_path / "ck")
+
+
+def _edit_metadata(directory: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    doc = json.loads((directory / METADATA_FILE).read_text())
+    edit(doc)
+    (directory / METADATA_FILE).write_text(json.dumps(doc))
+
+
+def _metadata_text_edit(directory: Path, old: str, new: str) -> None:
+    text = (directory / METADATA_FILE).read_text()
+    assert old in text
+    (directory / METADATA_FILE).write_text(text.replace(old, new, 1))
+
+
+def _replace_shard(directory: Path, rank: int, raw: bytes) -> Path:
+    """Put ``raw`` in place of ``rank``'s file, with a matching size and checksums in the
+    metadata, so that only the content itself is hostile."""
+    name = f"rank_{rank:05d}.safetensors"
+    (directory / name).write_bytes(raw)
+
+    def edit(doc: dict[str, Any]) -> None:
+        record = doc["files"][rank]
+        checksum = BlockChecksum(record["checksum"]["block_size"])
+        checksum.update(raw)
+        record["size"] = len(raw)
+        record["checksum"]["blocks"] = checksum.hexdigest()
+
+    _edit_metadata(directory, edit)
+    return directory / name
+
+
+def _safetensors(header: str, data: bytes = b"") -> bytes:
+    text = header.encode()
+    text += b" " * (-(len(text) + 8) % 8)
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def _every_reader_refuses(directory: Path, *needles: str) -> None:
+    """Loads that touch both files (rank 1 of 2 reads its shard and rank 0's copy of ``b``;
+    a 1-rank load reads everything), verify and consolidate all refuse with a
+    CheckpointError whose message holds every needle."""
+    for rank, world in ((1, 2), (0, 1)):
+        with pytest.raises(CheckpointError) as info:
+            load_distributed(directory, rank, world)
+        for needle in needles:
+            assert needle in str(info.value)
+    try:
+        report = verify_checkpoint(directory)
+    except CheckpointError as exc:
+        text = str(exc)
+    else:
+        assert not report.ok
+        text = " | ".join(report.problems)
+    for needle in needles:
+        assert needle in text
+    with pytest.raises(CheckpointError):
+        consolidate(directory, directory.parent / "all.safetensors")
+    assert not (directory.parent / "all.safetensors").exists()
+
+
+# --------------------------------------------------------------------------- item 3
+
+
+def test_fifo_in_place_of_a_shard_is_refused_without_blocking(ck: Path) -> None:
+    shard = ck / "rank_00001.safetensors"
+    os.unlink(shard)
+    os.mkfifo(shard)
+    _every_reader_refuses(ck, str(shard), "is a FIFO, not a regular file")
+    with pytest.raises(CheckpointCorruptError, match="is a FIFO"):
+        ShardFile(shard)
+
+
+def test_fifo_named_by_the_metadata_is_refused(ck: Path) -> None:
+    os.mkfifo(ck / "pipe")
+    _edit_metadata(ck, lambda doc: doc["files"][1].update(name="pipe"))
+    _every_reader_refuses(ck, str(ck / "pipe"), "is a FIFO")
+
+
+def test_symlink_to_a_fifo_and_a_directory_are_refused(ck: Path, tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "pipe")
+    os.symlink("../pipe", ck / "via_link")
+    with pytest.raises(CheckpointCorruptError, match="outside the checkpoint directory"):
+        open_checkpoint_file(ck, "via_link")
+    os.mkfifo(ck / "inner_pipe")
+    os.symlink("inner_pipe", ck / "inner_link")
+    with pytest.raises(CheckpointCorruptError, match="inner_link is a FIFO"):
+        open_checkpoint_file(ck, "inner_link")
+    (ck / "adir").mkdir()
+    with pytest.raises(CheckpointCorruptError, match="adir is a directory"):
+        open_checkpoint_file(ck, "adir")
+
+
+def test_a_regular_file_opens_blocking(ck: Path) -> None:
+    fd = open_checkpoint_file(ck, "rank_00000.safetensors")
+    try:
+        assert os.get_blocking(fd)
+        assert os.pread(fd, 8, 0) == (ck / "rank_00000.safetensors").read_bytes()[:8]
+    finally:
+        os.close(fd)
+
+
+async def _run_ranks(n: int, body: Callable[[Group], Any]) -> list[Any]:
+    transports = InProcessTransport.create_group(n, timeout=OP_TIMEOUT)
+    groups = [Group(t) for t in transports]
+    try:
+        async with asyncio.timeout(30):
+            return list(await asyncio.gather(*(body(g) for g in groups),
+                                             return_exceptions=True))
+    finally:
+        for g in groups:
+            await g.aclose()
+        for t in transports:
+            await t.aclose()
+
+
+async def _collective_checkpoint(root: Path) -> Path:
+    async def body(g: Group) -> Any:
+        lo, hi = (0, 4) if g.rank == 0 else (4, 8)
+        state = {"w": ShardedArray(FULL["w"][lo:hi].copy()), "b": FULL["b"],
+                 "cursor": g.rank * 10, "step": 5}
+        return await save(state, root, g, timeout=OP_TIMEOUT)
+
+    results = await _run_ranks(2, body)
+    assert all(not isinstance(r, BaseException) for r in results), results
+    return root / "step_000000"
+
+
+async def test_collective_load_with_a_fifo_shard_fails_on_every_rank(tmp_path: Path) -> None:
+    directory = await _collective_checkpoint(tmp_path)
+    shard = directory / "rank_00001.safetensors"
+    os.unlink(shard)
+    os.mkfifo(shard)
+    errors = await _run_ranks(2, lambda g: load(tmp_path, g, timeout=OP_TIMEOUT))
+    assert all(isinstance(e, CheckpointCorruptError) for e in errors), errors
+    assert all("rank_00001.safetensors is a FIFO" in str(e) for e in errors)
+
+
+# --------------------------------------------------------------------------- item 4
+
+
+@pytest.mark.parametrize("name", ["../evil.safetensors", "ABSOLUTE", "sub/rank_00001.safetensors",
+                                  "..", ""])
+def test_file_names_leaving_the_directory_are_refused(ck: Path, name: str) -> None:
+    evil = ck.parent / "evil.safetensors"
+    os.replace(ck / "rank_00001.safetensors", evil)  # a valid file, just elsewhere
+    if name == "ABSOLUTE":
+        name = str(evil)
+    _edit_metadata(ck, lambda doc: doc["files"][1].update(name=name))
+    _every_reader_refuses(ck, str(ck / METADATA_FILE), "is not a plain file name")
+
+
+def test_symlinked_shard_leading_outside_is_refused(ck: Path) -> None:
+    evil = ck.parent / "evil.safetensors"
+    os.replace(ck / "rank_00001.safetensors", evil)
+    os.symlink(evil, ck / "rank_00001.safetensors")
+    _every_reader_refuses(ck, f"resolves to {evil}, outside the checkpoint directory")
+
+
+def test_a_symlinked_checkpoint_directory_still_loads(ck: Path, tmp_path: Path) -> None:
+    os.symlink(ck, tmp_path / "alias")
+    np.testing.assert_array_equal(load_distributed(tmp_path / "alias", 1, 2)["w"], FULL["w"][4:])
+    assert verify_checkpoint(tmp_path / "alias").ok
+
+
+# --------------------------------------------------------------------------- item 5
+
+
+def test_deeply_nested_metadata_is_corrupt_not_recursion(ck: Path) -> None:
+    _metadata_text_edit(ck, '"extra": {}', '"extra": ' + "[" * 100_000 + "]" * 100_000)
+    _every_reader_refuses(ck, METADATA_FILE, "nested deeper than 128 levels")
+    _metadata_text_edit(ck, "[" * 100_000 + "]" * 100_000, "[" * 129 + "]" * 129)
+    with pytest.raises(CheckpointCorruptError, match=f"{ck / METADATA_FILE}: JSON nested"):
+        read_metadata(ck)
+
+
+def test_metadata_nested_just_within_the_limit_loads(ck: Path) -> None:
+    # extra (depth 2) holding a list 126 deep: 128 levels in all, the limit
+    _metadata_text_edit(ck, '"extra": {}', '"extra": {"x": ' + "[" * 126 + "]" * 126 + "}")
+    assert json.loads((ck / METADATA_FILE).read_text())
+    meta = read_metadata(ck)
+    depth, value = 0, meta.extra["x"]
+    while value:
+        depth, value = depth + 1, value[0]
+    assert depth == 125  # the innermost [] is empty
+    np.testing.assert_array_equal(load_distributed(ck, 0, 1)["w"], FULL["w"])
+
+
+def test_deeply_nested_safetensors_header_is_corrupt(ck: Path) -> None:
+    header = '{"w": {"dtype": "F32", "shape": ' + "[" * 50_000 + "]" * 50_000 + "}}"
+    path = _replace_shard(ck, 0, _safetensors(header))
+    _every_reader_refuses(ck, f"{path}: header", "nested deeper than 128 levels")
+
+
+def test_metadata_shape_past_int64_is_corrupt_not_numpy_error(ck: Path) -> None:
+    def edit(doc: dict[str, Any]) -> None:
+        doc["tensors"]["w"].update(shape=[2**40, 2**40], shard_sizes=[2**39, 2**39])
+
+    _edit_metadata(ck, edit)
+    _every_reader_refuses(ck, METADATA_FILE, "past the int64 range")
+
+
+def test_metadata_shape_larger_than_the_files_is_corrupt(ck: Path) -> None:
+    # 2**30 x 3 float32 = 12 GiB claimed, in files of a few hundred bytes: no allocation
+    def edit(doc: dict[str, Any]) -> None:
+        doc["tensors"]["w"].update(shape=[2**30, 3], shard_sizes=[2**29, 2**29])
+
+    _edit_metadata(ck, edit)
+    _every_reader_refuses(ck, METADATA_FILE,
+                          "rank 0's tensors need 6442450968 bytes, but its file "
+                          "rank_00000.safetensors has")
+
+
+def test_header_element_count_does_not_wrap(ck: Path) -> None:
+    # 2**32 * 2**32 elements wrap to 0 in int64: "0 bytes" must not match them
+    header = ('{"w": {"dtype": "F32", "shape": [4294967296, 4294967296], '
+              '"data_offsets": [0, 0]}}')
+    path = _replace_shard(ck, 0, _safetensors(header))
+    with pytest.raises(CheckpointCorruptError,
+                       match=r"offsets 0\.\.0 do not hold float32 \(4294967296, 4294967296\)"):
+        ShardFile(path)
+    _every_reader_refuses(ck, str(path), "bad header entry")
+
+
+@pytest.mark.parametrize("entry, needle", [
+    ('{"dtype": "F32", "shape": [1e400], "data_offsets": [0, 4]}', "is not an integer"),
+    ('{"dtype": "F32", "shape": [true], "data_offsets": [0, 4]}', "is not an integer"),
+    ('{"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}', "is not an integer >= 0"),
+    ('{"dtype": "F32", "shape": [1], "data_offsets": [4]}', "data_offsets must be"),
+    ('{"dtype": "F32", "shape": ' + str([1] * 65) + ', "data_offsets": [0, 4]}',
+     "at most 64 dims"),
+    ('[1]', "entry is not an object"),
+])
+def test_malformed_header_entries_are_corrupt(tmp_path: Path, entry: str, needle: str) -> None:
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(_safetensors('{"w": ' + entry + "}", b"\0" * 4))
+    with pytest.raises(CheckpointCorruptError, match=needle):
+        ShardFile(path)
+
+
+def test_header_metadata_must_be_strings(tmp_path: Path) -> None:
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(_safetensors('{"__metadata__": [1]}'))
+    with pytest.raises(CheckpointCorruptError, match="__metadata__ is not an object"):
+        ShardFile(path)
+
+
+async def test_truncated_rank_objects_fail_on_every_rank(tmp_path: Path) -> None:
+    directory = await _collective_checkpoint(tmp_path)
+    _edit_metadata(directory, lambda doc: doc["state"]["rank_objects"]["cursor"].pop())
+    errors = await _run_ranks(2, lambda g: load(tmp_path, g, timeout=OP_TIMEOUT))
+    assert all(isinstance(e, CheckpointCorruptError) for e in errors), errors
+    assert all(METADATA_FILE in str(e) and "per-rank value 'cursor' has 1 entries for 2 ranks"
+               in str(e) for e in errors)
+    with pytest.raises(CheckpointCorruptError, match="'cursor' has 1 entries"):
+        load_distributed(tmp_path, 0, 2)
+
+
+async def test_state_skeleton_naming_unknown_leaves_is_corrupt(tmp_path: Path) -> None:
+    directory = await _collective_checkpoint(tmp_path)
+
+    def edit(doc: dict[str, Any]) -> None:
+        doc["state"]["skeleton"]["items"].append([{"$nd": "tuple", "v": []},
+                                                  {"t": "object", "k": "cursor"}])
+        doc["state"]["skeleton"]["items"].append(["ghost", {"t": "tensor", "k": "ghost"}])
+
+    _edit_metadata(directory, edit)
+    errors = await _run_ranks(2, lambda g: load(tmp_path, g, timeout=OP_TIMEOUT))
+    assert all(isinstance(e, CheckpointCorruptError) for e in errors), errors
+    assert "is not a str or int" in str(errors[0])
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d["files"].pop(), "num_ranks is 2, with 1 file records"),
+    (lambda d: d["files"][1].update(rank=0), "file records are for ranks [0, 0]"),
+    (lambda d: d.update(num_ranks=10**12), "num_ranks is 1000000000000"),
+    (lambda d: d.update(num_ranks=float("inf")), "num_ranks must be an integer"),
+    (lambda d: d.update(generation=float("inf")), "generation must be an integer"),
+    (lambda d: d.update(step=[1]), "step must be an integer"),
+    (lambda d: d["tensors"]["b"].pop("writer"), "replicated tensor 'b' has no writer"),
+    (lambda d: d["tensors"]["w"].update(dtype=None), "tensor 'w' has no dtype"),
+    (lambda d: d["files"][0]["checksum"].update(blocks="zzzzzzzz"), "not hex digits"),
+    (lambda d: d["files"][0]["checksum"].update(block_size=1.5), "block_size must be an"),
+    (lambda d: d["files"][0].update(size="12"), "file size must be an integer"),
+    (lambda d: d.update(tensors=[]), "tensors must be an object"),
+    (lambda d: d.update(extra={"$nd": "scalar", "dtype": "int8", "v": 1000}),
+     "malformed encoded value"),
+])
+def test_malformed_metadata_is_corrupt_naming_the_file(ck: Path, edit: Any, needle: str) -> None:
+    _edit_metadata(ck, edit)
+    with pytest.raises(CheckpointCorruptError) as info:
+        read_metadata(ck)
+    assert str(info.value).startswith(f"{ck / METADATA_FILE}: ")
+    assert needle in str(info.value)
+    with pytest.raises(CheckpointCorruptError, match="metadata.json"):
+        load_distributed(ck, 0, 2)
