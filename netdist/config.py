@@ -9,16 +9,62 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from netdist.errors import ConfigError
 
-__all__ = ["WireLimits", "DistributedConfig", "parse_host_port", "DEFAULT_PORT"]
+__all__ = ["WireLimits", "AdmissionLimits", "DistributedConfig", "parse_host_port", "DEFAULT_PORT",
+           "MIN_TOKEN_LENGTH", "WeakTokenWarning", "check_token_strength", "redacted_repr"]
 
 DEFAULT_PORT = 29400
 """Coordinator port used when only a host is given (torchrun's MASTER_PORT default is 29500)."""
+
+MIN_TOKEN_LENGTH = 16
+"""Tokens shorter than this many characters draw a ``WeakTokenWarning``."""
+
+REDACTED = "***"
+"""What ``repr()`` shows in place of a set token."""
+
+
+class WeakTokenWarning(UserWarning):
+    """The job token is short enough to be guessed offline.
+
+    Anyone who records one handshake (or makes a rank connect to it) holds an HMAC of
+    the token over known bytes and can test guesses at millions per second; only a long
+    random token (``secrets.token_hex(16)`` or more, 128 bits) makes that hopeless.
+    """
+
+
+def check_token_strength(token: str | None, *, stacklevel: int = 2) -> None:
+    """Warn with ``WeakTokenWarning`` if ``token`` is set but shorter than
+    ``MIN_TOKEN_LENGTH`` characters. No token (``None`` or ``""``) is not warned about:
+    that is the explicit unauthenticated mode, which only loopback allows. The warning
+    states the length, never the token; ``stacklevel`` counts from our caller (1 = the
+    function that called this one), as in ``warnings.warn``."""
+    if token and len(token) < MIN_TOKEN_LENGTH:
+        warnings.warn(
+            f"the job token is only {len(token)} characters long (fewer than "
+            f"{MIN_TOKEN_LENGTH}): anyone who records a handshake can guess it offline; use "
+            "a random token of at least 128 bits, e.g. "
+            "python3 -c 'import secrets; print(secrets.token_hex(16))'",
+            WeakTokenWarning, stacklevel=stacklevel + 1)
+
+
+def redacted_repr(obj: Any, secret_fields: tuple[str, ...] = ("token",)) -> str:
+    """``repr()`` of a dataclass with each set field of ``secret_fields`` shown as
+    ``'***'`` (an unset one as its value, so ``None`` still reads ``None``): configs end
+    up in logs, tracebacks and bug reports, tokens must not."""
+    parts = []
+    for item in dataclasses.fields(obj):
+        if not item.repr:
+            continue
+        value = getattr(obj, item.name)
+        shown = REDACTED if item.name in secret_fields and value else value
+        parts.append(f"{item.name}={shown!r}")
+    return f"{type(obj).__name__}({', '.join(parts)})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +88,52 @@ class WireLimits:
             raise ConfigError(f"max_payload_bytes must be >= 0, got {self.max_payload_bytes}")
         if not 0 <= self.max_ndim <= 64:
             raise ConfigError(f"max_ndim must be in 0..64, got {self.max_ndim}")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    """Bounds on inbound connections that have not authenticated yet (strangers).
+
+    Anyone who can reach a rank's port, or the coordinator's, can open connections; until
+    the handshake proves the job token each one costs a descriptor and some memory. These
+    bound that cost per process, so no stranger can exhaust a rank: at most
+    ``max_unauthenticated`` at once (beyond it new ones are closed at once, established
+    peers are never touched), each with a small buffer and a short deadline, and none at
+    all while the process is within ``fd_reserve`` descriptors of its ``RLIMIT_NOFILE``.
+    """
+
+    max_unauthenticated: int = 64
+    """Connections that may be mid-handshake at once (listener and coordinator together)."""
+    handshake_timeout: float = 10.0
+    """Seconds a connection gets to authenticate (never more than the join timeout)."""
+    handshake_header_bytes: int = 4096
+    """Largest frame header read before authentication (handshake frames are far smaller);
+    the read buffer starts at 1 KiB and grows to the job's limits only after it."""
+    fd_reserve: int = 256
+    """Descriptors kept free for the job's own files and peers: strangers are refused
+    while fewer than this many remain below the soft ``RLIMIT_NOFILE``."""
+    raise_fd_limit: bool = True
+    """At transport start, raise the soft ``RLIMIT_NOFILE`` towards the hard limit (at most
+    65536), as Go's runtime does; the hard limit is never changed."""
+    refusal_log_interval: float = 30.0
+    """Refused and failed strangers are logged at most once per this many seconds (the
+    first in full, the rest counted), so a flood cannot flood the log."""
+
+    def __post_init__(self) -> None:
+        if self.max_unauthenticated < 1:
+            raise ConfigError(
+                f"max_unauthenticated must be >= 1, got {self.max_unauthenticated}")
+        if not self.handshake_timeout > 0:
+            raise ConfigError(
+                f"handshake_timeout must be > 0 seconds, got {self.handshake_timeout}")
+        if self.handshake_header_bytes < 64:
+            raise ConfigError(
+                f"handshake_header_bytes must be >= 64, got {self.handshake_header_bytes}")
+        if self.fd_reserve < 0:
+            raise ConfigError(f"fd_reserve must be >= 0, got {self.fd_reserve}")
+        if not self.refusal_log_interval >= 0:
+            raise ConfigError(f"refusal_log_interval must be >= 0 seconds, got "
+                              f"{self.refusal_log_interval}")
 
 
 def parse_host_port(text: str, *, what: str = "address") -> tuple[str, int]:
@@ -107,9 +199,16 @@ class DistributedConfig:
     job_id: str = "netdist"
     token: str | None = None
     timeout: float = 60.0
-    connect_timeout: float = 60.0
+    connect_timeout: float | None = None
+    """Bound, in seconds, on each phase of joining (reaching the coordinator, waiting for
+    every rank, connecting to the peers); ``None``: the same as ``timeout``."""
     heartbeat_interval: float = 2.0
+    """Seconds between HEARTBEAT frames on an idle connection."""
     heartbeat_misses: int = 5
+    """A peer silent for ``heartbeat_interval * heartbeat_misses`` seconds (the liveness
+    window) is declared lost. On a progress thread heartbeats flow while the caller
+    computes, so the window bounds how fast a dead or stopped rank is detected without
+    limiting how long a healthy rank may compute between two collectives."""
     listen_host: str | None = None
     """Interface this rank's peer listener binds; defaults to the advertise address."""
     advertise_addr: str | None = None
@@ -121,6 +220,8 @@ class DistributedConfig:
     the process wake-up on the latency path); ``None``: 100 unless this host runs more
     ranks than it has CPUs, then 0 (see ``netdist.transport.spin``)."""
     limits: WireLimits = field(default_factory=WireLimits)
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
+    """Bounds on connections that have not authenticated yet (see ``AdmissionLimits``)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -129,6 +230,8 @@ class DistributedConfig:
             raise ConfigError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
         for name in ("timeout", "connect_timeout", "heartbeat_interval"):
             value = getattr(self, name)
+            if value is None and name == "connect_timeout":
+                continue
             if not value > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {value}")
         if self.heartbeat_misses < 1:
@@ -137,6 +240,23 @@ class DistributedConfig:
             raise ConfigError(f"spin_us must be in 0..1000000 microseconds, got {self.spin_us}")
         if not self.job_id:
             raise ConfigError("job_id must not be empty")
+        if self.token is not None and type(self.token) is not str:
+            raise ConfigError(f"token must be a str or None, got {type(self.token).__name__}")
+        check_token_strength(self.token, stacklevel=3)  # -> whoever built the config
+
+    def __repr__(self) -> str:
+        """The fields, with the token shown as ``'***'`` (tokens are never printed)."""
+        return redacted_repr(self)
+
+    @property
+    def join_timeout(self) -> float:
+        """The bound on each phase of joining: ``connect_timeout``, else ``timeout``."""
+        return self.timeout if self.connect_timeout is None else self.connect_timeout
+
+    @property
+    def liveness_window(self) -> float:
+        """Seconds of silence after which a peer is declared lost."""
+        return self.heartbeat_interval * self.heartbeat_misses
 
     def replace(self, **changes: Any) -> DistributedConfig:
         """Return a copy with ``changes`` applied (validated again)."""
@@ -181,6 +301,8 @@ class DistributedConfig:
             if value is not None:
                 values[key] = value
         for key, var, unit in (("timeout", "NETDIST_TIMEOUT", "seconds"),
+                               ("connect_timeout", "NETDIST_CONNECT_TIMEOUT", "seconds"),
+                               ("heartbeat_interval", "NETDIST_HEARTBEAT_INTERVAL", "seconds"),
                                ("spin_us", "NETDIST_SPIN_US", "microseconds")):
             number = _first(env, var)
             if number is not None:
@@ -188,6 +310,9 @@ class DistributedConfig:
                     values[key] = float(number)
                 except ValueError:
                     raise ConfigError(f"{var}={number!r} is not a number of {unit}") from None
+        misses = _int_from(env, "NETDIST_HEARTBEAT_MISSES")
+        if misses is not None:
+            values["heartbeat_misses"] = misses
         if (_first(env, "NETDIST_INSECURE") or "").strip().lower() in ("1", "true", "yes"):
             values["insecure"] = True
 

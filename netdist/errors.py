@@ -14,7 +14,8 @@ the transport boundary and never escape to callers.
     ├── TransportError
     │   ├── ConnectError                    could not reach a peer / the coordinator
     │   │   └── AuthenticationError         handshake refused (token, job id, version, rank)
-    │   ├── PeerLostError                   a connected peer went away (EOF, reset, heartbeats)
+    │   ├── PeerLostError                   a connected peer went away (EOF, reset, heartbeats,
+    │   │                                   BYE); ``origin_rank`` names who went away first
     │   └── TransportClosedError            the local transport was closed
     ├── NetdistTimeoutError (TimeoutError)  a bounded wait expired
     │   └── RendezvousTimeoutError          ranks never arrived at the coordinator
@@ -104,11 +105,38 @@ class AuthenticationError(ConnectError):
 
 
 class PeerLostError(TransportError):
-    """A connected peer went away; every pending and later operation on it fails."""
+    """A connected peer went away; every pending and later operation on it fails.
 
-    def __init__(self, rank: int, message: str | None = None) -> None:
+    ``rank`` is the peer whose connection failed. ``origin_rank`` is the rank whose
+    departure started it all: ``rank`` itself when it crashed, was killed, stalled,
+    failed or left, or another rank when ``rank`` aborted *because* it had lost that one
+    (its last frame said so, see docs/PROTOCOL.md section 7); ``via`` is then ``rank``,
+    the messenger. ``origin_reason`` is the one-line account of what happened at the
+    origin ("rank 5 closed the connection (EOF)"). Launchers and users blame
+    ``origin_rank``; the message leads with it.
+    """
+
+    def __init__(self, rank: int, message: str | None = None, *,
+                 origin_rank: int | None = None, origin_reason: str | None = None) -> None:
         self.rank = rank
-        super().__init__(message or f"lost connection to rank {rank}")
+        self.origin_rank = rank if origin_rank is None else origin_rank
+        text = message or f"lost connection to rank {rank}"
+        self.origin_reason = origin_reason or text
+        super().__init__(text)
+
+    @property
+    def via(self) -> int | None:
+        """The rank that relayed the loss (``rank``), or None when ``rank`` is the origin."""
+        return None if self.origin_rank == self.rank else self.rank
+
+    def with_message(self, message: str) -> PeerLostError:
+        """The same loss (``rank``, ``origin_rank``, ``origin_reason``) told by ``message``.
+
+        For layers that add context (the operation, the tag, the group) without losing
+        who went away first.
+        """
+        return PeerLostError(self.rank, message, origin_rank=self.origin_rank,
+                             origin_reason=self.origin_reason)
 
 
 class TransportClosedError(TransportError):

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 
-from netdist.config import DEFAULT_PORT, DistributedConfig, WireLimits, parse_host_port
+from netdist.config import (
+    DEFAULT_PORT,
+    MIN_TOKEN_LENGTH,
+    DistributedConfig,
+    WeakTokenWarning,
+    WireLimits,
+    parse_host_port,
+)
 from netdist.errors import ConfigError
+
+TOKEN = "secret-token-0123456789"
 
 # --------------------------------------------------------------------------- parse_host_port
 
@@ -53,12 +63,12 @@ def test_from_env_netdist_variables() -> None:
     env = {
         "NETDIST_RANK": "2", "NETDIST_WORLD_SIZE": "4",
         "NETDIST_COORDINATOR": "10.1.2.3:4000", "NETDIST_JOB_ID": "exp7",
-        "NETDIST_TOKEN": "secret", "NETDIST_TIMEOUT": "12.5",
+        "NETDIST_TOKEN": TOKEN, "NETDIST_TIMEOUT": "12.5",
         "NETDIST_ADVERTISE_ADDR": "10.1.2.9", "NETDIST_LISTEN_HOST": "0.0.0.0",
         "NETDIST_INSECURE": "1",
     }
     assert DistributedConfig.from_env(env) == DistributedConfig(
-        rank=2, world_size=4, coordinator=("10.1.2.3", 4000), job_id="exp7", token="secret",
+        rank=2, world_size=4, coordinator=("10.1.2.3", 4000), job_id="exp7", token=TOKEN,
         timeout=12.5, advertise_addr="10.1.2.9", listen_host="0.0.0.0", insecure=True)
 
 
@@ -129,9 +139,10 @@ def test_netdist_coordinator_wins_over_master_addr() -> None:
 
 
 def test_overrides_win_over_everything() -> None:
-    env = {"NETDIST_RANK": "1", "NETDIST_WORLD_SIZE": "2", "NETDIST_TOKEN": "env"}
-    config = DistributedConfig.from_env(env, rank=0, token="arg", timeout=3.0)
-    assert (config.rank, config.world_size, config.token, config.timeout) == (0, 2, "arg", 3.0)
+    env = {"NETDIST_RANK": "1", "NETDIST_WORLD_SIZE": "2", "NETDIST_TOKEN": "env-" + TOKEN}
+    config = DistributedConfig.from_env(env, rank=0, token="arg-" + TOKEN, timeout=3.0)
+    assert ((config.rank, config.world_size, config.token, config.timeout)
+            == (0, 2, "arg-" + TOKEN, 3.0))
 
 
 def test_overrides_alone_need_no_environment() -> None:
@@ -183,6 +194,7 @@ def test_from_env_errors(env: dict[str, str], message: str) -> None:
     ({"heartbeat_interval": float("nan")}, "heartbeat_interval must be > 0 seconds"),
     ({"heartbeat_misses": 0}, "heartbeat_misses must be >= 1, got 0"),
     ({"job_id": ""}, "job_id must not be empty"),
+    ({"token": b"0123456789abcdef"}, "token must be a str or None, got bytes"),
 ])
 def test_distributed_config_validation(changes: dict[str, object], message: str) -> None:
     base = DistributedConfig(rank=1, world_size=4)
@@ -231,3 +243,50 @@ def test_wire_limits_edges_are_accepted(kwargs: dict[str, object]) -> None:
         assert getattr(limits, key) == value
     with pytest.raises(dataclasses.FrozenInstanceError):
         limits.max_ndim = 3  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------- the token
+
+
+def test_repr_and_str_mask_the_token() -> None:
+    """Configs end up in logs and tracebacks: the token never does, every other field does."""
+    env = {"NETDIST_RANK": "0", "NETDIST_WORLD_SIZE": "2", "NETDIST_TOKEN": TOKEN}
+    for config in (DistributedConfig(rank=0, world_size=2, token=TOKEN),
+                   DistributedConfig.from_env(env),
+                   DistributedConfig(rank=0, world_size=2).replace(token=TOKEN)):
+        for text in (repr(config), str(config), f"{config}", repr([config])):
+            assert TOKEN not in text and "0123456789" not in text
+            assert "token='***'" in text
+        assert repr(config).startswith("DistributedConfig(rank=0, world_size=2, ")
+        for item in dataclasses.fields(config):
+            if item.name != "token":
+                assert f"{item.name}={getattr(config, item.name)!r}" in repr(config)
+        assert config.token == TOKEN  # masked in repr only
+
+
+@pytest.mark.parametrize("token", [None, ""])
+def test_repr_without_a_token_says_so(token: str | None) -> None:
+    assert f"token={token!r}" in repr(DistributedConfig(rank=0, world_size=1, token=token))
+
+
+@pytest.mark.parametrize("token", ["Q", "zq!short", "w" * (MIN_TOKEN_LENGTH - 1)])
+def test_a_short_token_warns_without_printing_it(token: str) -> None:
+    with pytest.warns(WeakTokenWarning) as record:
+        DistributedConfig(rank=0, world_size=2, token=token)
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert message.startswith(f"the job token is only {len(token)} characters long "
+                              f"(fewer than {MIN_TOKEN_LENGTH})")
+    assert "secrets.token_hex(16)" in message and token not in message
+    assert record[0].filename == __file__  # points at the caller, not at netdist
+    with pytest.warns(WeakTokenWarning, match=f"only {len(token)} characters"):
+        DistributedConfig.from_env({"NETDIST_RANK": "0", "NETDIST_WORLD_SIZE": "1",
+                                    "NETDIST_TOKEN": token})
+
+
+@pytest.mark.parametrize("token", [None, "", "s" * MIN_TOKEN_LENGTH, TOKEN])
+def test_no_warning_for_a_long_token_or_none(token: str | None) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = DistributedConfig(rank=0, world_size=2, token=token)
+        config.replace(rank=1)

@@ -410,9 +410,11 @@ class Group:
             # a peer that left because *it* lost someone points at the real casualty:
             # name every member the transport knows is gone
             others = await self._lost_peers(exclude=exc.rank)
-            raise PeerLostError(
-                exc.rank, f"{chan.op} on {self._describe()}: lost "
-                f"{self._group_rank_of(exc.rank)}: {exc}"
+            member = self._group_rank_of(exc.rank)
+            # relayed (``via``): the transport's text already leads with the origin
+            story = f"lost {member}: {exc}" if exc.via is None else f"{exc} (lost {member})"
+            raise exc.with_message(
+                f"{chan.op} on {self._describe()}: {story}"
                 f"{'; also ' + '; '.join(others) if others else ''}") from exc
         except TransportClosedError as exc:
             raise TransportClosedError(f"{chan.op} on {self._describe()}: {exc}") from exc

@@ -264,8 +264,16 @@ class ParameterServer:
                 await self._check_layouts(prep, timeout)
             await body
         except RankFailure as failure:
-            message = (f"parameter server (rank {self.root}) failed in round with worker "
-                       f"rank {failure.rank}: {failure.what}: {self._ep.describe(failure.error)}")
+            error = failure.error
+            if isinstance(error, PeerLostError):
+                # lead with the rank that went away first, not with the server that saw it
+                told = "" if error.via is None else f" (reported by rank {error.rank})"
+                message = (f"{error.origin_reason}{told} — the parameter server (rank "
+                           f"{self.root}) lost worker rank {failure.rank} while "
+                           f"{failure.what}")
+            else:
+                message = (f"parameter server (rank {self.root}) failed in round with worker "
+                           f"rank {failure.rank}: {failure.what}: {self._ep.describe(error)}")
             await self._notify(message, skip=failure.rank if isinstance(
                 failure.error, PeerLostError) else None)
             if isinstance(failure.error, NetdistTimeoutError):
@@ -389,6 +397,10 @@ class ParameterServer:
                 if watch.done() and not watch.cancelled() and watch.exception() is None:
                     text = watch.result().tobytes().decode(errors="replace")
                     raise ParameterServerError(f"{what} on rank {self.rank}: {text}") from exc
+                if exc.via is not None:  # the server aborted because it lost someone
+                    raise ParameterServerError(
+                        f"{what} on rank {self.rank}: {self._ep.describe(exc)} (rank {root} "
+                        "is the parameter server)") from exc
                 raise ParameterServerError(
                     f"{what} on rank {self.rank}: lost the parameter server (rank {root}): "
                     f"{self._ep.describe(exc)}") from exc

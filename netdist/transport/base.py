@@ -88,6 +88,15 @@ class Transport(abc.ABC):
     async def aclose(self) -> None:
         """Close every connection and fail pending operations. Idempotent."""
 
+    async def abort(self, error: BaseException | str) -> None:
+        """Close because this rank is failing with ``error`` (an exception or a reason).
+
+        Transports that can tell their peers why (TCP: an ERROR frame naming the rank
+        that went away first) do so; the default simply closes. Idempotent with
+        ``aclose``; ``async with`` calls it when the block exits on an exception.
+        """
+        await self.aclose()
+
     @property
     def closed(self) -> bool:
         """True once ``aclose`` has started."""
@@ -130,4 +139,7 @@ class Transport(abc.ABC):
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
-        await self.aclose()
+        if exc is None:
+            await self.aclose()
+        else:
+            await self.abort(exc)

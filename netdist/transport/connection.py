@@ -16,11 +16,15 @@ Every failure (EOF, reset, protocol violation, missed heartbeats, an interrupted
 goes through ``fail()`` exactly once: it records a factory for the error every later
 operation raises, fails the frame that was landing, the peer's mailbox and every waiting
 sender, and closes the socket. Nothing here raises an OS or asyncio exception to callers.
+A peer's last frame may be an ERROR naming the rank that went away first (it aborted
+because it lost that one, see ``netdist.transport.blame``); the ``PeerLostError`` then
+carries that rank as ``origin_rank`` and its message leads with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import ipaddress
 import logging
@@ -29,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from netdist.config import WireLimits
+from netdist.config import AdmissionLimits, WireLimits
 from netdist.errors import (
     ConfigError,
     ConnectError,
@@ -37,6 +41,7 @@ from netdist.errors import (
     PeerLostError,
     RemoteProtocolError,
 )
+from netdist.transport.blame import LossOrigin, read_farewell
 from netdist.transport.mailbox import Landing, PeerMailbox
 from netdist.wire import (
     NEED_DATA,
@@ -53,12 +58,17 @@ __all__ = [
     "FrameConnection",
     "ErrorFactory",
     "SOCKET_BUFFER_BYTES",
+    "HANDSHAKE_SCRATCH_BYTES",
+    "SCRATCH_BYTES",
+    "handshake_limits",
     "tune_socket",
     "is_loopback_host",
     "check_listen_security",
     "start_listener",
     "listen",
     "open_connection",
+    "retry_pause",
+    "RETRY_FIRST_PAUSE",
     "run_handshake",
 ]
 
@@ -85,8 +95,25 @@ COPYING_LOOP_CHUNK_BYTES = 256 * 1024
 chunks of this size, each once the previous one has drained, so almost nothing is copied."""
 
 
+HANDSHAKE_SCRATCH_BYTES = 1024
+"""Read buffer of a connection until it authenticates (grows, up to the handshake header
+limit, only for a header that passed its length check): a stranger costs about this much."""
+
+SCRATCH_BYTES = 256 * 1024
+"""Read buffer for prefixes and headers once the peer has authenticated."""
+
+_DEFAULT_ADMISSION = AdmissionLimits()
+
 _NOT_STARTED = -1
 _DONE = -2
+
+
+def handshake_limits(limits: WireLimits, header_bytes: int) -> WireLimits:
+    """``limits`` with headers capped at ``header_bytes``: what a peer that has not
+    authenticated yet may send (handshake frames are far smaller than the job's limit)."""
+    if limits.max_header_bytes <= header_bytes:
+        return limits
+    return dataclasses.replace(limits, max_header_bytes=header_bytes)
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -111,13 +138,22 @@ class FrameConnection(asyncio.BufferedProtocol):
     """A framed, flow-controlled TCP connection; see the module docstring.
 
     The owner (``TcpTransport`` or the rendezvous code) drives the handshake with
-    ``next_control`` / ``write_control``, then calls ``attach(peer_rank, mailbox)`` so
-    data frames land in the peer's mailbox, and sends with ``send_frame``.
+    ``next_control`` / ``write_control`` (``run_handshake``), then calls
+    ``attach(peer_rank, mailbox)`` so data frames land in the peer's mailbox, and sends
+    with ``send_frame``.
+
+    Until ``mark_authenticated()`` (which ``run_handshake`` calls when the handshake
+    succeeds) the connection reads under ``handshake_limits(limits,
+    handshake_header_bytes)`` into a ``HANDSHAKE_SCRATCH_BYTES`` buffer, so a peer that
+    never authenticates costs about a kilobyte, not the job's buffers. ``release`` (from
+    ``AdmissionControl``) is called once, when the connection authenticates or closes.
     """
 
     def __init__(self, limits: WireLimits, *, label: str,
                  on_made: Callable[[FrameConnection], None] | None = None,
-                 on_failed: Callable[[FrameConnection], None] | None = None) -> None:
+                 on_failed: Callable[[FrameConnection], None] | None = None,
+                 handshake_header_bytes: int = _DEFAULT_ADMISSION.handshake_header_bytes,
+                 release: Callable[[], None] | None = None) -> None:
         self.label = label
         """Who is at the other end, for messages ("rank 2 at 10.0.0.5:4242")."""
         self.peer_rank: int | None = None
@@ -131,9 +167,17 @@ class FrameConnection(asyncio.BufferedProtocol):
         """Frames written so far (data and control)."""
         self._seen = (0, 0)
         self.peer_said_bye = False
+        self.loss_origin: LossOrigin | None = None
+        """Set when the peer's last frame (ERROR) named who went away first."""
+        self.dropped_locally = False
+        """True when this side dropped the connection (a send or recv gave up mid-frame)."""
         self._linger = False  # we sent BYE and half-closed: wait for the peer's EOF
         self._loop = asyncio.get_running_loop()
-        self._decoder = FrameDecoder(limits)
+        self._limits = limits
+        self._authenticated = False
+        self._release = release
+        self._decoder = FrameDecoder(handshake_limits(limits, handshake_header_bytes),
+                                     scratch_bytes=HANDSHAKE_SCRATCH_BYTES)
         self._on_made = on_made
         self._on_failed = on_failed
         self._controls: deque[ControlFrame] = deque()
@@ -189,6 +233,29 @@ class FrameConnection(asyncio.BufferedProtocol):
         if isinstance(local, tuple) and len(local) >= 2:
             return str(local[0]), int(local[1])
         return None
+
+    @property
+    def authenticated(self) -> bool:
+        """True once ``mark_authenticated()`` lifted the handshake limits."""
+        return self._authenticated
+
+    def mark_authenticated(self) -> None:
+        """The handshake proved the peer: lift the limits put on strangers.
+
+        From the next frame on, the decoder reads under the connection's full limits with
+        a ``SCRATCH_BYTES`` buffer (bytes already received are kept), and the admission
+        slot is released. Called by ``run_handshake``; idempotent.
+        """
+        if self._authenticated:
+            return
+        self._authenticated = True
+        self._decoder.set_limits(self._limits, scratch_bytes=SCRATCH_BYTES)
+        self._release_admission()
+
+    def _release_admission(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     def attach(self, peer_rank: int, mailbox: PeerMailbox | None, label: str) -> None:
         """The handshake succeeded: data frames from now on land in ``mailbox``."""
@@ -261,9 +328,10 @@ class FrameConnection(asyncio.BufferedProtocol):
         return None  # let the transport close itself; connection_lost reports the EOF
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._release_admission()  # the descriptor is gone: a stranger's slot is free
         if self._failure is None:
             if self.peer_said_bye:
-                reason = f"{self.label} closed its transport"
+                reason = f"{self.label} closed its transport (left the job)"
             elif exc is None:
                 reason = f"{self.label} closed the connection (EOF){self._progress()}"
             else:
@@ -370,11 +438,12 @@ class FrameConnection(asyncio.BufferedProtocol):
             return
         if kind == FrameKind.BYE:
             self.peer_said_bye = True
-            self.fail(f"{self.label} closed its transport", orderly=True)
+            self.fail(f"{self.label} closed its transport (left the job)", orderly=True)
             return
-        if kind == FrameKind.ERROR:
-            reason = frame.fields.get("reason", "no reason given")
-            self.fail(f"{self.label} reported an error and dropped the connection: {reason}")
+        if kind == FrameKind.ERROR and self.peer_rank is not None:
+            # the peer's last word: who went away first and how the peer is leaving
+            farewell = read_farewell(frame.fields, self.peer_rank)
+            self.fail(farewell.message(), orderly=True, origin=farewell.origin)
             return
         raise RemoteProtocolError(f"unexpected {kind.name} frame after the handshake")
 
@@ -396,11 +465,14 @@ class FrameConnection(asyncio.BufferedProtocol):
         landing = self._landing
         if landing is not None and landing.withdrawn and self._failure is None:
             self.fail(f"{why}{self._progress()}; the connection to {self.label} was "
-                      "dropped so the rest of the frame cannot land in released memory")
+                      "dropped so the rest of the frame cannot land in released memory",
+                      local=True)
 
     def _violation(self, reason: str) -> None:
-        logger.warning("netdist: protocol violation from %s: %s; closing the connection",
-                       self.label, reason)
+        # before authentication the owner reports the dropped stranger (rate-limited)
+        logger.log(logging.WARNING if self._authenticated else logging.DEBUG,
+                   "netdist: protocol violation from %s: %s; closing the connection",
+                   self.label, reason)
         self.fail(f"{self.label} violated the protocol: {reason}", remote_protocol=True)
 
     def _wake_control_waiter(self) -> None:
@@ -561,7 +633,7 @@ class FrameConnection(asyncio.BufferedProtocol):
             return ""
         self.fail(f"send to {self.label} (tag {tag}) {how} after {written} of {total} "
                   "payload bytes were handed to the socket; the connection was dropped "
-                  "so no partial frame is taken as data")
+                  "so no partial frame is taken as data", local=True)
         return f" ({written} of {total} payload bytes written; connection dropped)"
 
     async def _wait_drained(self, deadline: float) -> None:
@@ -579,19 +651,29 @@ class FrameConnection(asyncio.BufferedProtocol):
     # -- failure and close ---------------------------------------------------------------
 
     def fail(self, reason: str, *, orderly: bool = False, remote_protocol: bool = False,
-             error: ErrorFactory | None = None) -> None:
+             error: ErrorFactory | None = None, origin: LossOrigin | None = None,
+             local: bool = False) -> None:
         """Fail the connection once: every waiter and later operation raises.
 
         ``error`` overrides the default ``PeerLostError`` (after the handshake) or
-        ``ConnectError`` / ``RemoteProtocolError`` (before it).
+        ``ConnectError`` / ``RemoteProtocolError`` (before it). ``origin`` is the rank
+        the peer said went away first (its ERROR frame); the ``PeerLostError`` carries it
+        as ``origin_rank``. ``local`` marks a drop decided here (a send or receive gave
+        up mid-frame), which never makes the peer the origin of a later abort.
         """
         if self._failure is not None:
             return
         rank = self.peer_rank
+        self.loss_origin = origin
+        self.dropped_locally = local
         if error is None:
             if rank is not None:
+                origin_rank = None if origin is None else origin.rank
+                origin_reason = None if origin is None else origin.reason
+
                 def error() -> Exception:
-                    return PeerLostError(rank, reason)
+                    return PeerLostError(rank, reason, origin_rank=origin_rank,
+                                         origin_reason=origin_reason)
             elif remote_protocol:
                 def error() -> Exception:
                     return RemoteProtocolError(reason)
@@ -629,10 +711,15 @@ class FrameConnection(asyncio.BufferedProtocol):
             self._on_failed(self)
 
     def close(self, *, send_bye: bool, error: ErrorFactory | None = None,
-              reason: str = "connection closed") -> None:
-        """Close from our side: send BYE when possible (no frame half written), then close."""
+              reason: str = "connection closed", farewell: bytes | None = None) -> None:
+        """Close from our side: send BYE when possible (no frame half written), then close.
+
+        ``farewell`` (an encoded ERROR frame naming why this rank leaves, see
+        ``netdist.transport.blame``) replaces the BYE; it goes out the same way.
+        """
         if send_bye and self._failure is None:
-            self._linger = self.write_control(encode_control(FrameKind.BYE))
+            last = encode_control(FrameKind.BYE) if farewell is None else farewell
+            self._linger = self.write_control(last)
         self.fail(reason, orderly=True, error=error)
 
     async def wait_closed(self, timeout: float) -> None:
@@ -692,7 +779,7 @@ async def check_listen_security(host: str, token: str | None, insecure: bool,
         "to accept that risk explicitly")
 
 
-async def start_listener(host: str, port: int, factory: Callable[[], FrameConnection],
+async def start_listener(host: str, port: int, factory: Callable[[], asyncio.BaseProtocol],
                          *, what: str) -> tuple[asyncio.Server, tuple[str, int]]:
     """Bind ``host:port`` (port 0 picks a free one) and serve ``factory`` connections.
 
@@ -726,7 +813,7 @@ async def start_listener(host: str, port: int, factory: Callable[[], FrameConnec
     raise ConnectError(f"{what}: cannot listen on {host}:{port}: {last}") from last
 
 
-async def listen(host: str, port: int, factory: Callable[[], FrameConnection], *,
+async def listen(host: str, port: int, factory: Callable[[], asyncio.BaseProtocol], *,
                  token: str | None, insecure: bool, what: str,
                  fallback_to_all: bool) -> tuple[asyncio.Server, tuple[str, int]]:
     """``start_listener`` behind the token rule of ``check_listen_security``.
@@ -786,12 +873,33 @@ async def open_connection(host: str, port: int, factory: Callable[[], FrameConne
                        f"({attempts} attempt{'s' if attempts != 1 else ''}){reason}")
 
 
+RETRY_FIRST_PAUSE = 0.02
+"""First back-off, in seconds, before retrying a connection; it doubles up to 0.5."""
+
+
+async def retry_pause(pause: float | None, deadline: float) -> float | None:
+    """Back off ``pause`` seconds before a retry, unless that would pass ``deadline``.
+
+    Returns the next pause (doubled, at most 0.5 s), or ``None`` when there is no time
+    left for another attempt (the caller raises its last error). Not synchronisation:
+    the wait only spaces out attempts at a peer that closed or refused the last one.
+    """
+    if pause is None:
+        return None
+    loop = asyncio.get_running_loop()
+    if loop.time() + pause >= deadline:
+        return None
+    await asyncio.sleep(pause)
+    return min(pause * 2, 0.5)
+
+
 async def run_handshake(conn: FrameConnection, handshake: Any, *, deadline: float,
                         what: str, first: bytes | None = None) -> Any:
     """Drive a ``ClientHandshake`` / ``ServerHandshake`` over ``conn`` until done.
 
     Sends ``first`` (the client's HELLO) if given; then for every control frame: send
-    what the step says, raise its error, stop when done. Returns the final
+    what the step says, raise its error, stop when done, marking ``conn`` authenticated
+    (it reads under the job's limits from then on). Returns the final
     ``HandshakeStep``. Raises the handshake's ``AuthenticationError``, the connection's
     failure, or ``NetdistTimeoutError`` at ``deadline``.
     """
@@ -805,4 +913,5 @@ async def run_handshake(conn: FrameConnection, handshake: Any, *, deadline: floa
         if step.error is not None:
             raise step.error
         if step.done:
+            conn.mark_authenticated()
             return step

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from netdist.errors import LocalProtocolError, NetdistTimeoutError
+from netdist.errors import LocalProtocolError, NetdistTimeoutError, PeerLostError
 from netdist.transport.spin import SpinPolicy
 
 __all__ = ["PeerMailbox", "Landing", "check_out_buffer", "byte_view"]
@@ -41,6 +41,18 @@ def check_out_buffer(out: np.ndarray) -> None:
         raise ValueError("out= must be C-contiguous to receive in place")
     if not out.flags.writeable:
         raise ValueError("out= is read-only")
+
+
+def _naming_tag(error: Exception, tag: int, waited: bool) -> Exception:
+    """A peer loss with the receive it cut short: "... while this rank waited for tag 5".
+
+    Other errors (the local transport closed) already say everything there is to say.
+    """
+    if not isinstance(error, PeerLostError):
+        return error
+    where = (f"while this rank waited for tag {tag}" if waited
+             else f"before this rank's recv on tag {tag}")
+    return error.with_message(f"{error} {where}")
 
 
 @dataclass(slots=True)
@@ -143,14 +155,16 @@ class PeerMailbox:
     def fail(self, failure: Callable[[], Exception]) -> None:
         """Fail every posted receive and every later one with ``failure()``.
 
-        Messages that had fully arrived before the failure stay receivable.
+        Messages that had fully arrived before the failure stay receivable. A
+        ``PeerLostError`` is told with the tag it cut short ("... while this rank waited
+        for tag 5").
         """
         if self._failure is None:
             self._failure = failure
-        for queue in self._posted.values():
+        for tag, queue in self._posted.items():
             for entry in queue:
                 if not entry.future.done():
-                    entry.future.set_exception(failure())
+                    entry.future.set_exception(_naming_tag(failure(), tag, waited=True))
         self._posted.clear()
         for waiting in self._unexpected.values():
             for future in waiting:
@@ -186,7 +200,7 @@ class PeerMailbox:
             byte_view(out)[...] = byte_view(message)
             return out
         if self._failure is not None:
-            raise self._failure()
+            raise _naming_tag(self._failure(), tag, waited=False)
         entry = _PostedRecv(self._new_future(), out)
         self._posted.setdefault(tag, deque()).append(entry)
         spin = self._spin

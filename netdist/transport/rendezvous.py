@@ -36,10 +36,13 @@ from netdist.errors import (
     RendezvousError,
     RendezvousTimeoutError,
 )
+from netdist.transport.admission import AdmissionControl, Release
 from netdist.transport.connection import (
+    RETRY_FIRST_PAUSE,
     FrameConnection,
     listen,
     open_connection,
+    retry_pause,
     run_handshake,
 )
 from netdist.wire import (
@@ -90,8 +93,13 @@ class Coordinator:
     was sent to everyone (or the rendezvous failed); ``aclose`` is idempotent.
     """
 
-    def __init__(self, config: DistributedConfig) -> None:
+    def __init__(self, config: DistributedConfig,
+                 admission: AdmissionControl | None = None) -> None:
         self.config = config
+        self.admission = (AdmissionControl(config.admission, owner="the coordinator")
+                          if admission is None else admission)
+        """Bounds connections that have not authenticated (shared with rank 0's listener
+        when ``TcpTransport`` starts the coordinator)."""
         self._identity = rendezvous_identity(config, "coordinator")
         self._loop = asyncio.get_running_loop()
         self._server: asyncio.Server | None = None
@@ -99,18 +107,24 @@ class Coordinator:
         self._registered: dict[int, _Registration] = {}
         self._conns: set[FrameConnection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._deadline = self._loop.time() + config.connect_timeout
+        self._deadline = self._loop.time() + config.join_timeout
         self._finished: asyncio.Future[None] = self._loop.create_future()
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
 
     @classmethod
-    async def start(cls, config: DistributedConfig) -> Coordinator:
-        """Bind the coordinator port and start accepting registrations."""
-        self = cls(config)
+    async def start(cls, config: DistributedConfig, *,
+                    admission: AdmissionControl | None = None) -> Coordinator:
+        """Bind the coordinator port and start accepting registrations.
+
+        Strangers are bounded by ``admission`` (default: one built from
+        ``config.admission``), so the process hosting the coordinator shares one bound.
+        """
+        self = cls(config, admission)
         host, port = config.coordinator
         self._server, self.address = await listen(
-            host, port, self._new_connection, token=config.token, insecure=config.insecure,
+            host, port, self.admission.protocol_factory(self._new_connection),
+            token=config.token, insecure=config.insecure,
             what=f"the coordinator at {host}:{port}", fallback_to_all=port != 0)
         self._timer = self._loop.call_at(self._deadline, self._on_timeout)
         return self
@@ -135,9 +149,12 @@ class Coordinator:
 
     # -- connections -------------------------------------------------------------------
 
-    def _new_connection(self) -> FrameConnection:
-        return FrameConnection(_rendezvous_limits(self.config), label="?", on_made=self._on_made,
-                               on_failed=self._on_failed)
+    def _new_connection(self, release: Release) -> FrameConnection:
+        """An admitted connection (``release`` frees its admission slot)."""
+        return FrameConnection(
+            _rendezvous_limits(self.config), label="?", on_made=self._on_made,
+            on_failed=self._on_failed, release=release,
+            handshake_header_bytes=self.config.admission.handshake_header_bytes)
 
     def _on_made(self, conn: FrameConnection) -> None:
         if self._closed:
@@ -162,7 +179,8 @@ class Coordinator:
         try:
             handshake = ServerHandshake(self._identity, peer_label=where)
             step = await run_handshake(
-                conn, handshake, deadline=self._loop.time() + self.config.connect_timeout,
+                conn, handshake, deadline=self.admission.handshake_deadline(
+                    self._loop.time(), self.config.join_timeout),
                 what=f"coordinator handshake with {where}")
             rank = step.peer_rank
             conn.label = f"rank {rank} at {where}"
@@ -177,13 +195,19 @@ class Coordinator:
                 self._refuse(conn, "bad_request",
                              f"unexpected {frame.kind.name} frame after registration")
         except (NetdistError, OSError) as exc:
-            if not conn.failed or not self.finished:
+            if not conn.authenticated:  # a stranger: rate-limited, a flood is no log flood
+                self.admission.log.warning(
+                    "netdist coordinator: dropped connection from %s: %s", where, exc)
+            elif not conn.failed or not self.finished:
                 logger.warning("netdist coordinator: dropped connection from %s: %s",
                                where, exc)
             conn.close(send_bye=False, reason=f"dropped: {exc}")
         except asyncio.CancelledError:
             conn.close(send_bye=False)
             raise
+        finally:
+            if conn.failed:  # closed: keep no reference, strangers must not accumulate
+                self._conns.discard(conn)
 
     def _refuse(self, conn: FrameConnection, code: str, reason: str,
                 missing: list[int] | None = None) -> None:
@@ -236,7 +260,7 @@ class Coordinator:
         if self.finished:
             return
         missing = [r for r in range(self.config.world_size) if r not in self._registered]
-        reason = (f"rendezvous timed out after {self.config.connect_timeout:.1f}s: "
+        reason = (f"rendezvous timed out after {self.config.join_timeout:.1f}s: "
                   f"rank{'s' if len(missing) != 1 else ''} "
                   f"{', '.join(map(str, missing))} never arrived "
                   f"({len(self._registered)} of {self.config.world_size} registered)")
@@ -302,9 +326,12 @@ class RendezvousClient:
         where = f"{host}:{port}"
         label = f"coordinator at {where}"
         ident = rendezvous_identity(config)
+        pause: float | None = RETRY_FIRST_PAUSE
         while True:
             conn = await open_connection(
-                host, port, lambda: FrameConnection(_rendezvous_limits(config), label=label),
+                host, port, lambda: FrameConnection(
+                    _rendezvous_limits(config), label=label,
+                    handshake_header_bytes=config.admission.handshake_header_bytes),
                 deadline=deadline, retry=True,
                 what=f"rank {config.rank} reaching the coordinator")
             handshake = ClientHandshake(ident, expect_role="coordinator", peer_label=where)
@@ -319,10 +346,12 @@ class RendezvousClient:
                     raise RendezvousError(str(exc)) from None
                 raise
             except ConnectError:
-                # dropped mid-handshake (the coordinator may be restarting): try again
+                # dropped mid-handshake (the coordinator may be restarting, or at its bound
+                # on unauthenticated connections): back off, then try again
                 conn.close(send_bye=False)
                 await conn.wait_closed(1.0)
-                if asyncio.get_running_loop().time() >= deadline:
+                pause = await retry_pause(pause, deadline)
+                if pause is None:
                     raise
                 continue
             except BaseException:
@@ -347,12 +376,12 @@ class RendezvousClient:
         loop = asyncio.get_running_loop()
         try:
             frame = await conn.next_control(
-                loop.time() + config.connect_timeout + _TABLE_GRACE,
+                loop.time() + config.join_timeout + _TABLE_GRACE,
                 f"rank {config.rank} waiting for the rendezvous table")
         except NetdistTimeoutError:
             raise RendezvousTimeoutError(
                 f"rank {config.rank}: the rendezvous at {conn.label} did not complete within "
-                f"{config.connect_timeout:.1f}s (not every rank arrived)") from None
+                f"{config.join_timeout:.1f}s (not every rank arrived)") from None
         fields = frame.fields
         if frame.kind == FrameKind.ERROR:
             reason = str(fields.get("reason", "no reason given"))

@@ -6,7 +6,8 @@
         await transport.send(1, array, tag=0)
 
 Rank 0 hosts the rendezvous coordinator; every rank connects to every other one; leaving
-the block closes the transport (BYE to every peer).
+the block closes the transport (BYE to every peer; leaving on an exception aborts it, so
+peers are told which rank went away first, see ``TcpTransport.abort``).
 """
 
 from __future__ import annotations
@@ -39,5 +40,10 @@ async def init(config: DistributedConfig | None = None,
     transport = await TcpTransport.connect(config)
     try:
         yield transport
+    except GeneratorExit:
+        raise
+    except BaseException as exc:
+        await transport.abort(exc)  # peers learn why this rank left, and whom to blame
+        raise
     finally:
         await transport.aclose()

@@ -8,7 +8,10 @@ Start-up (``TcpTransport.connect(config)``):
    receives the address table;
 3. the higher rank of every pair connects to the lower one; both sides run the HMAC
    handshake; duplicates and strangers are refused (strangers are logged and dropped,
-   the job is undisturbed);
+   the job is undisturbed). Strangers are bounded (``netdist.transport.admission``):
+   at most ``AdmissionLimits.max_unauthenticated`` mid-handshake per process, each with
+   a small read buffer and ``handshake_timeout`` to authenticate, none while
+   descriptors run short; a rank refused that way retries until the join timeout;
 4. a monitor task sends HEARTBEAT frames on idle connections and declares a peer lost
    after ``heartbeat_interval * heartbeat_misses`` of silence -- measured only over time
    our own event loop was responsive, so a long NumPy computation here never makes a
@@ -20,7 +23,11 @@ through ``asyncio.BufferedProtocol``; sends return once the array's memory is fr
 Failure semantics: every wait is bounded (per-call ``timeout``, default
 ``config.timeout``); a lost peer fails every pending and later operation on it with
 ``PeerLostError`` naming it and saying why; ``aclose()`` sends BYE, so peers report
-"rank N closed its transport", is idempotent and completes under cancellation.
+"rank N closed its transport (left the job)", is idempotent and completes under
+cancellation. A rank that closes after losing a peer, or aborts (``abort(error)``,
+or leaving ``async with`` on an exception), sends an ERROR frame instead that names
+the rank which went away first, so every rank blames the same one
+(``PeerLostError.origin_rank``; see ``netdist.transport.blame``).
 """
 
 from __future__ import annotations
@@ -35,16 +42,28 @@ from netdist.config import DistributedConfig
 from netdist.errors import (
     AuthenticationError,
     ConnectError,
+    LocalProtocolError,
     NetdistError,
     NetdistTimeoutError,
+    PeerLostError,
     TransportClosedError,
 )
+from netdist.transport.admission import AdmissionControl, Release, raise_nofile_limit
 from netdist.transport.barrier import dissemination_barrier
+from netdist.transport.blame import (
+    Departure,
+    LossOrigin,
+    describe_failure,
+    farewell_fields,
+    one_line,
+)
 from netdist.transport.base import MAX_TAG, Transport
 from netdist.transport.connection import (
+    RETRY_FIRST_PAUSE,
     FrameConnection,
     listen,
     open_connection,
+    retry_pause,
     run_handshake,
 )
 from netdist.transport.mailbox import PeerMailbox
@@ -83,6 +102,9 @@ class TcpTransport(Transport):
         self._limits = config.limits
         self._loop = asyncio.get_running_loop()
         self._identity = rendezvous_identity(config)
+        self.admission = AdmissionControl(config.admission, owner=f"rank {config.rank}")
+        """Bounds connections that have not authenticated (this rank's listener and, on
+        rank 0, the coordinator); its ``stats()`` count pending and refused strangers."""
         self.spin = SpinPolicy()
         """Busy-poll budget of small receives; set from ``config.spin_us`` on connect."""
         self._mailboxes: list[PeerMailbox | None] = [
@@ -101,6 +123,9 @@ class TcpTransport(Transport):
         self._closed = False
         self._close_task: asyncio.Task[None] | None = None
         self._monitor_task: asyncio.Task[Any] | None = None
+        self._lost: dict[int, tuple[LossOrigin, bool]] = {}
+        """Per lost peer, in the order lost: who went away first, and whether that loss
+        can explain this rank leaving (not a clean BYE, not a drop decided here)."""
 
     # -- construction --------------------------------------------------------------------
 
@@ -110,7 +135,7 @@ class TcpTransport(Transport):
         """Rendezvous with the other ranks and connect to all of them.
 
         Returns once a connection to every other rank is authenticated. Bounded by
-        ``config.connect_timeout`` per phase (reaching the coordinator, waiting for the
+        ``config.join_timeout`` per phase (reaching the coordinator, waiting for the
         table, connecting the mesh). Rank 0 calls ``on_coordinator_ready(host, port)``
         once its coordinator is bound (useful with port 0). On failure everything opened
         so far is closed and the error is raised: ``ConnectError`` /
@@ -130,20 +155,26 @@ class TcpTransport(Transport):
         if self.world_size == 1:
             return
         loop = self._loop
+        if config.admission.raise_fd_limit:
+            raised = raise_nofile_limit()
+            if raised is not None:
+                logger.debug("netdist: rank %d raised its soft RLIMIT_NOFILE from %d to %d",
+                             self.rank, *raised)
         if self.rank == 0:
-            self._coordinator = await Coordinator.start(config)
+            self._coordinator = await Coordinator.start(config, admission=self.admission)
             if on_coordinator_ready is not None:
                 on_coordinator_ready(self._coordinator.address)
             coordinator_config = config.replace(coordinator=self._coordinator.address)
         else:
             coordinator_config = config
         client = await RendezvousClient.connect(
-            coordinator_config, deadline=loop.time() + config.connect_timeout)
+            coordinator_config, deadline=loop.time() + config.join_timeout)
         try:
             advertise = config.advertise_addr or client.local_host
             listen_host = config.listen_host or advertise
             self._server, self.listen_address = await listen(
-                listen_host, 0, self._new_inbound, token=config.token,
+                listen_host, 0, self.admission.protocol_factory(self._new_inbound),
+                token=config.token,
                 insecure=config.insecure, what=f"rank {self.rank}'s peer listener",
                 fallback_to_all=config.listen_host is None)
             table = await client.register(PeerAddress(advertise, self.listen_address[1]))
@@ -154,10 +185,10 @@ class TcpTransport(Transport):
                 ranks_sharing_host((entry.host for entry in table), advertise))
                              if config.spin_us is None else config.spin_us * 1e-6)
         if self._coordinator is not None:
-            await self._coordinator.wait_finished(config.connect_timeout)
+            await self._coordinator.wait_finished(config.join_timeout)
             await self._coordinator.aclose()
             self._coordinator = None
-        await self._connect_mesh(table, loop.time() + config.connect_timeout)
+        await self._connect_mesh(table, loop.time() + config.join_timeout)
         self._monitor_task = self._spawn(self._monitor(), "heartbeat monitor")
 
     async def _connect_mesh(self, table: tuple[PeerAddress, ...], deadline: float) -> None:
@@ -175,37 +206,56 @@ class TcpTransport(Transport):
             raise NetdistTimeoutError(
                 f"rank {self.rank} could not connect to rank{'s' if len(missing) > 1 else ''}"
                 f" {', '.join(map(str, missing))} within "
-                f"{self.config.connect_timeout:.1f}s") from None
+                f"{self.config.join_timeout:.1f}s") from None
         except BaseExceptionGroup as group_error:
             raise _first_error(group_error) from None
 
     async def _connect_peer(self, peer: int, address: PeerAddress, deadline: float) -> None:
+        """Connect to ``peer`` and authenticate, retrying a dropped attempt until ``deadline``.
+
+        A connection closed before the handshake finished (not refused by it) is tried
+        again after a back-off: the peer may have been at its bound on unauthenticated
+        connections (``AdmissionLimits``), which closes new ones at once.
+        """
         label = f"rank {peer}"
         where = str(address)
-        conn = await open_connection(
-            address.host, address.port,
-            lambda: FrameConnection(self.config.limits, label=label,
-                                    on_failed=self._on_connection_failed),
-            deadline=deadline, retry=True, what=f"rank {self.rank} connecting to {label}")
-        handshake = ClientHandshake(self._identity, expect_role="rank", expect_rank=peer,
-                                    peer_label=where)
-        try:
-            await run_handshake(conn, handshake, deadline=deadline,
-                                what=f"handshake with {label} at {where}",
-                                first=handshake.initiate())
-            if self._closed:
-                raise TransportClosedError(f"rank {self.rank}: transport is closed")
-            if self._connections[peer] is not None:
-                raise AuthenticationError(f"rank {self.rank} is already connected to {label}")
-        except BaseException:
-            conn.close(send_bye=False, reason="handshake failed")
-            await conn.wait_closed(1.0)
-            raise
-        self._adopt(peer, conn)
+        pause: float | None = RETRY_FIRST_PAUSE
+        while True:
+            conn = await open_connection(
+                address.host, address.port,
+                lambda: FrameConnection(
+                    self.config.limits, label=label, on_failed=self._on_connection_failed,
+                    handshake_header_bytes=self.config.admission.handshake_header_bytes),
+                deadline=deadline, retry=True, what=f"rank {self.rank} connecting to {label}")
+            handshake = ClientHandshake(self._identity, expect_role="rank", expect_rank=peer,
+                                        peer_label=where)
+            try:
+                await run_handshake(conn, handshake, deadline=deadline,
+                                    what=f"handshake with {label} at {where}",
+                                    first=handshake.initiate())
+                if self._closed:
+                    raise TransportClosedError(f"rank {self.rank}: transport is closed")
+                if self._connections[peer] is not None:
+                    raise AuthenticationError(
+                        f"rank {self.rank} is already connected to {label}")
+            except BaseException as exc:
+                conn.close(send_bye=False, reason="handshake failed")
+                await conn.wait_closed(1.0)
+                if type(exc) is ConnectError and not self._closed:
+                    pause = await retry_pause(pause, deadline)
+                    if pause is not None:
+                        continue
+                raise
+            self._adopt(peer, conn)
+            return
 
-    def _new_inbound(self) -> FrameConnection:
-        return FrameConnection(self.config.limits, label="?", on_made=self._on_inbound,
-                               on_failed=self._on_connection_failed)
+    def _new_inbound(self, release: Release) -> FrameConnection:
+        """An admitted inbound connection (``release`` frees its admission slot)."""
+        return FrameConnection(
+            self.config.limits, label="?", on_made=self._on_inbound,
+            on_failed=self._on_connection_failed,
+            handshake_header_bytes=self.config.admission.handshake_header_bytes,
+            release=release)
 
     def _on_inbound(self, conn: FrameConnection) -> None:
         if self._closed:
@@ -230,12 +280,13 @@ class TcpTransport(Transport):
                                     accept_rank=self._accept_reason)
         try:
             step = await run_handshake(
-                conn, handshake, deadline=self._loop.time() + self.config.connect_timeout,
+                conn, handshake, deadline=self.admission.handshake_deadline(
+                    self._loop.time(), self.config.join_timeout),
                 what=f"handshake with {where}")
             self._adopt(step.peer_rank, conn)
         except (NetdistError, OSError) as exc:
-            logger.warning("netdist: rank %d dropped connection from %s: %s",
-                           self.rank, where, exc)
+            self.admission.log.warning("netdist: rank %d dropped connection from %s: %s",
+                                       self.rank, where, exc)
             conn.close(send_bye=False, reason=f"handshake failed: {exc}")
         except asyncio.CancelledError:
             conn.close(send_bye=False, reason="transport closed")
@@ -259,6 +310,8 @@ class TcpTransport(Transport):
         peer = conn.peer_rank
         if peer is None or self._connections[peer] is not conn or self._closed:
             return
+        origin = conn.loss_origin or LossOrigin(peer, one_line(conn.failure_reason), self.rank)
+        self._lost.setdefault(peer, (origin, not (conn.peer_said_bye or conn.dropped_locally)))
         if conn.peer_said_bye:
             logger.info("netdist: rank %d: %s", self.rank, conn.failure_reason)
         else:
@@ -295,9 +348,11 @@ class TcpTransport(Transport):
                 silent = min(silent, now - responsive_since)
                 if silent > limit:
                     conn.fail(
-                        f"rank {conn.peer_rank} sent nothing for {silent:.1f}s (heartbeat "
-                        f"interval {interval:g}s, {self.config.heartbeat_misses} missed): "
-                        "presumed dead")
+                        f"rank {conn.peer_rank} sent nothing for {silent:.1f}s, beyond the "
+                        f"liveness window of {limit:g}s (NETDIST_HEARTBEAT_INTERVAL="
+                        f"{interval:g} x NETDIST_HEARTBEAT_MISSES="
+                        f"{self.config.heartbeat_misses}): presumed dead (stopped, "
+                        "partitioned, or computing without a progress thread)")
 
     def _spawn(self, coro: Any, what: str) -> asyncio.Task[Any]:
         task = self._loop.create_task(coro, name=f"netdist rank {self.rank}: {what}")
@@ -380,14 +435,64 @@ class TcpTransport(Transport):
 
         Idempotent. Pending operations fail with ``TransportClosedError``. If the caller
         is cancelled, closing still completes (the sockets are closed synchronously; the
-        bounded wait for them runs in a task the next ``aclose`` awaits).
+        bounded wait for them runs in a task the next ``aclose`` awaits). If a peer was
+        lost before (not one that left with BYE), peers get an ERROR frame naming the
+        rank that went away first instead of BYE, as with ``abort``.
         """
+        await self._close(None)
+
+    async def abort(self, error: BaseException | str) -> None:
+        """Close because this rank is failing with ``error``; peers learn whom to blame.
+
+        Every peer still connected gets an ERROR frame instead of BYE, naming the
+        origin: the rank behind a ``PeerLostError`` in ``error``'s chain (its cause,
+        context or exception-group members), else the first peer this transport lost
+        other than by BYE, else this rank itself ("rank 2 aborted: RuntimeError: boom";
+        a ``str`` ``error`` is the reason itself). A ``SystemExit`` with code 0 or None
+        is a clean exit: the same as ``aclose``. Otherwise like ``aclose``: idempotent
+        (the first of the two decides the frame), completes under cancellation.
+        Leaving ``async with`` on an exception calls this.
+        """
+        clean = isinstance(error, SystemExit) and error.code in (0, None)
+        await self._close(None if clean else error)
+
+    async def _close(self, error: BaseException | str | None) -> None:
         if self._close_task is None:
-            self._begin_close()
+            self._begin_close(self._farewell(error))
             self._close_task = self._loop.create_task(self._finish_close())
         await asyncio.shield(self._close_task)
 
-    def _begin_close(self) -> None:
+    def _farewell(self, error: BaseException | str | None) -> bytes | None:
+        """The ERROR frame to leave with (None: a plain BYE, nothing to blame)."""
+        origin = self._blame(error)
+        if origin is None:
+            return None
+        how = Departure.CLOSED if error is None else Departure.ABORTED
+        try:
+            return encode_control(FrameKind.ERROR, farewell_fields(self.rank, origin, how),
+                                  limits=self._limits)
+        except LocalProtocolError:  # a max_header_bytes too small for the reason: BYE
+            logger.warning("netdist: rank %d: farewell naming rank %d does not fit "
+                           "max_header_bytes; sending BYE", self.rank, origin.rank)
+            return None
+
+    def _blame(self, error: BaseException | str | None) -> LossOrigin | None:
+        """Who went away first, as far as this rank knows (None: nobody, a clean close)."""
+        lost = _peer_loss_in(error) if isinstance(error, BaseException) else None
+        if lost is not None:
+            recorded = self._lost.get(lost.rank)
+            if recorded is not None and recorded[0].rank == lost.origin_rank:
+                return recorded[0]  # knows who saw it first hand
+            seen_by = self.rank if lost.via is None else lost.rank
+            return LossOrigin(lost.origin_rank, one_line(lost.origin_reason), seen_by)
+        for origin, explains in self._lost.values():
+            if explains:
+                return origin
+        if error is None:
+            return None
+        return LossOrigin(self.rank, describe_failure(self.rank, error), self.rank)
+
+    def _begin_close(self, farewell: bytes | None) -> None:
         self._closed = True
         rank = self.rank
 
@@ -399,7 +504,7 @@ class TcpTransport(Transport):
         for conn in self._connections:
             if conn is not None:
                 conn.close(send_bye=True, error=closed_error,
-                           reason=f"rank {rank} closed its transport")
+                           reason=f"rank {rank} closed its transport", farewell=farewell)
         for conn in list(self._handshaking):
             conn.close(send_bye=False, error=closed_error, reason="transport closed")
         for box in self._mailboxes:
@@ -425,6 +530,24 @@ class TcpTransport(Transport):
         state = "closed" if self._closed else "open"
         return (f"<TcpTransport rank {self.rank}/{self.world_size} {state} "
                 f"listening on {self.listen_address}>")
+
+
+def _peer_loss_in(error: BaseException) -> PeerLostError | None:
+    """The first ``PeerLostError`` behind ``error``: itself, its cause or context chain,
+    or the members of an exception group (breadth first, bounded)."""
+    queue: list[BaseException] = [error]
+    seen: set[int] = set()
+    while queue and len(seen) < 256:
+        exc = queue.pop(0)
+        if id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        if isinstance(exc, PeerLostError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            queue.extend(exc.exceptions)
+        queue.extend(e for e in (exc.__cause__, exc.__context__) if e is not None)
+    return None
 
 
 def _first_error(group: BaseExceptionGroup) -> BaseException:

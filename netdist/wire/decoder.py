@@ -19,9 +19,11 @@ received straight into its final buffer. ``DataEnd`` follows when the last byte 
 
 Every check runs before anything is allocated: magic, version, kind, header and payload
 lengths against ``WireLimits``, the msgpack header (a map with the right keys and types,
-allowed dtype, ``ndim``, non-negative dimensions, ``prod(shape) * itemsize == P``, tag in
-``0..2**63-1``). The fuzz rule: any input either decodes or raises
-``RemoteProtocolError`` -- nothing else. After an error the decoder stays failed.
+allowed dtype, ``ndim``, non-negative dimensions, ``prod(shape) * itemsize == P``, the
+non-zero dimensions times the item size within ``MAX_EXTENT_BYTES`` (so a zero cannot
+smuggle in a dimension NumPy cannot describe), tag in ``0..2**63-1``). The fuzz rule:
+any input either decodes or raises ``RemoteProtocolError`` -- nothing else. After an
+error the decoder stays failed.
 
 This module is PURE: it imports neither asyncio nor socket.
 """
@@ -61,6 +63,7 @@ __all__ = [
     "DataEnd",
     "Event",
     "FrameDecoder",
+    "MAX_EXTENT_BYTES",
 ]
 
 
@@ -119,6 +122,11 @@ _DATA_KEYS = frozenset(("tag", "dtype", "shape"))
 _CACHE_ENTRIES = 64
 _CACHE_KEY_BYTES = 96
 
+MAX_EXTENT_BYTES: Final = int(np.iinfo(np.intp).max)
+"""Largest byte span a shape may describe, its zero dimensions ignored (2**63-1 on 64-bit
+hosts): NumPy cannot create an array, even an empty one, whose non-zero dimensions times
+the item size exceed its address range."""
+
 # decoder states
 _FRAME = 0          # reading a prefix / header into scratch
 _AWAIT_DEST = 1     # DataStart returned, waiting for set_payload_destination
@@ -156,11 +164,9 @@ class FrameDecoder:
         if scratch_bytes < PREFIX_SIZE:
             raise ValueError(f"scratch_bytes must be >= {PREFIX_SIZE}, got {scratch_bytes}")
         self.limits = limits
-        self._max_header = limits.max_header_bytes
-        self._max_payload = limits.max_payload_bytes
-        self._max_ndim = limits.max_ndim
-        names = WIRE_DTYPES if limits.allowed_dtypes is None else limits.allowed_dtypes
-        self._dtypes = {name: WIRE_DTYPES[name] for name in names if name in WIRE_DTYPES}
+        self._max_header = self._max_payload = self._max_ndim = 0
+        self._dtypes: dict[str, np.dtype[Any]] = {}
+        self._apply_limits(limits)
         self._scratch = bytearray(scratch_bytes)
         self._mv = memoryview(self._scratch)
         self._start = 0          # first unconsumed byte in scratch
@@ -180,6 +186,43 @@ class FrameDecoder:
         # shape, as in a training loop) skips msgpack and validation. Bounded in count and
         # key size, so a peer cannot grow it.
         self._cache: dict[bytes, tuple[DataHeader, int]] = {}
+
+    def _apply_limits(self, limits: WireLimits) -> None:
+        self.limits = limits
+        self._max_header = limits.max_header_bytes
+        self._max_payload = limits.max_payload_bytes
+        self._max_ndim = limits.max_ndim
+        names = WIRE_DTYPES if limits.allowed_dtypes is None else limits.allowed_dtypes
+        self._dtypes = {name: WIRE_DTYPES[name] for name in names if name in WIRE_DTYPES}
+
+    def set_limits(self, limits: WireLimits, *, scratch_bytes: int | None = None) -> None:
+        """Decode from the next frame on under ``limits``; keep every byte buffered so far.
+
+        Lets a connection read its handshake under small limits and a small scratch buffer
+        (a stranger who never authenticates must not cost what a peer does) and switch to
+        the job's limits once the peer has proven who it is. ``scratch_bytes`` grows the
+        scratch buffer (it never shrinks). A frame whose prefix was already checked is
+        checked again under the new limits. Only between frames: while a data frame's
+        payload is pending this raises ``LocalProtocolError``; on a failed decoder it
+        does nothing.
+        """
+        if not isinstance(limits, WireLimits):
+            raise TypeError(f"limits must be a WireLimits, got {type(limits).__name__}")
+        if self._state == _FAILED:
+            return
+        if self._state != _FRAME:
+            raise LocalProtocolError("set_limits() called while a data frame is in progress")
+        self._apply_limits(limits)
+        self._cache.clear()   # headers validated under the old limits
+        self._hlen = -1       # re-read (and re-check) a prefix already parsed
+        if scratch_bytes is not None and scratch_bytes > len(self._scratch):
+            start, end = self._start, self._end
+            grown = bytearray(scratch_bytes)
+            grown[:end - start] = self._mv[start:end]
+            self._scratch = grown
+            self._mv = memoryview(grown)
+            self._start, self._end = 0, end - start
+            self._min_tail = max(PREFIX_SIZE, scratch_bytes // 4)
 
     # -- introspection -----------------------------------------------------------------
 
@@ -472,14 +515,24 @@ class FrameDecoder:
         if len(shape) > self._max_ndim:
             raise self._fail(
                 f"shape has {len(shape)} dims, more than max_ndim {self._max_ndim}")
+        extent = dtype.itemsize  # exact Python ints: no overflow, whatever the peer sent
         for dim in shape:
             if type(dim) is not int or dim < 0:
                 raise self._fail(
                     f"shape {_short(shape)} has a dimension that is not a non-negative int")
+            if dim:
+                extent *= dim
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes != self._plen:
             raise self._fail(f"shape {_short(shape)} of {name} is {nbytes} bytes but the "
                              f"payload length is {self._plen}")
+        if extent > MAX_EXTENT_BYTES:
+            # A zero dimension makes P = 0 match, yet NumPy cannot even describe the
+            # empty array when the other dimensions span more than its address range.
+            raise self._fail(
+                f"shape {_short(shape)} of {name} cannot be allocated: its non-zero "
+                f"dimensions span {extent} bytes, more than the {MAX_EXTENT_BYTES} an "
+                "array can address")
         return DataHeader(tag, dtype, tuple(shape))
 
     def _parse_control(self, raw: memoryview) -> ControlFrame:

@@ -1,21 +1,31 @@
-"""Connection handshake: identity checks plus mutual HMAC-SHA256 challenge-response.
+"""Connection handshake: the connecting side proves the token first, then the acceptor.
 
 Pure state machines, used for rank-to-rank connections and for the coordinator's port.
 The connecting side runs ``ClientHandshake``, the accepting side ``ServerHandshake``; a
 driver moves frames between them and the socket::
 
-    C -> S  HELLO      {version, job_id, rank, world_size, role, nonce}
-    S -> C  CHALLENGE  {version, job_id, rank, world_size, role, nonce, proof}
-    C -> S  AUTH       {proof}
-    S -> C  OK         {}
-    (either side, instead of its next frame)  ERROR {reason, rank, role}
+    C -> S  HELLO      {version, nonce}
+    S -> C  CHALLENGE  {version, rank, role, nonce}
+    C -> S  AUTH       {job_id, rank, world_size, role, proof}     proof = MAC(2)
+    S -> C  OK         {proof}                                      proof = MAC(1)
+    (either side, instead of its next frame)  ERROR {reason, code[, rank, role]}
 
-The accepting side checks the HELLO (version, job id, world size, role, rank range)
-before it proves anything; the connecting side checks the accepting side's identity and
-proof before it proves its own. Each proof is ``HMAC-SHA256(token, transcript)`` where the
-transcript (``mac_input``) binds the direction, both identities and both nonces, so a
-proof can neither be replayed on another connection nor reflected back to its sender.
-``docs/PROTOCOL.md`` gives the transcript byte by byte.
+Why this order: whoever sends the first token-derived value gives its receiver something
+to test token guesses against offline. The accepting side is the one any stranger can
+reach, so it sends nothing derived from the token, and nothing about its job (job id,
+world size), until the connecting side's proof has verified: CHALLENGE holds public
+values and a fresh nonce, and every refusal before that point is a fixed text. (In
+handshake version 1 the acceptor proved first, over a nonce the stranger chose, and its
+refusals named the job id: one connection sufficed to brute-force a weak token.) The
+connector's job id and world size travel inside AUTH, bound by its proof, and are
+compared only once the proof verified, so a rank of another job or size still gets a
+precise refusal (``job_id``, ``world_size``, ``rank_range`` codes).
+
+Each proof is ``HMAC-SHA256(token, transcript)`` where the transcript (``mac_input``)
+binds the direction, both identities, the job id and both nonces, so a proof can neither
+be replayed on another connection nor reflected back to its sender; the acceptor's proof
+goes only to a peer that has already proven the token, so it is never an oracle.
+``docs/PROTOCOL.md`` gives every frame and the transcript byte by byte.
 
 Driver contract: send ``step.send`` if it is not ``None``, then raise ``step.error`` if it
 is not ``None``, and stop when ``step.done``. Tokens are never printed.
@@ -31,16 +41,19 @@ import hmac
 import secrets
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from netdist.config import redacted_repr
 from netdist.errors import AuthenticationError, LocalProtocolError
 from netdist.wire.decoder import ControlFrame
-from netdist.wire.frame import PROTOCOL_VERSION, FrameKind, _short, encode_control
+from netdist.wire.frame import FrameKind, _short, encode_control
 
 __all__ = [
     "ROLES",
+    "HANDSHAKE_VERSION",
     "NONCE_SIZE",
+    "PROOF_SIZE",
     "MAX_JOB_ID_BYTES",
     "MAC_LABEL",
     "PROOF_BY_ACCEPTOR",
@@ -57,22 +70,40 @@ __all__ = [
 ROLES = ("rank", "coordinator")
 """Who is speaking: a training process (``rank``) or the rendezvous ``coordinator``."""
 
+HANDSHAKE_VERSION = 2
+"""The ``version`` in HELLO and CHALLENGE, and byte 16 of every MAC transcript. Versioned
+apart from the frame layout (the frame prefix's version byte), which did not change."""
+
 NONCE_SIZE = 32
+PROOF_SIZE = 32
 MAX_JOB_ID_BYTES = 1024
 MAX_WORLD_SIZE = 2**32 - 1
+MAX_RANK = 2**32 - 1
 
-MAC_LABEL = b"netdist-hmac-v1\x00"
+MAC_LABEL = b"netdist-hmac-v2\x00"
 """First 16 bytes of every MAC transcript."""
 
 PROOF_BY_ACCEPTOR = 1
-"""Direction byte of the proof the accepting side sends in CHALLENGE."""
+"""Direction byte of the accepting side's proof (in OK)."""
 
 PROOF_BY_CONNECTOR = 2
-"""Direction byte of the proof the connecting side sends in AUTH."""
+"""Direction byte of the connecting side's proof (in AUTH)."""
 
 TOKEN_MISMATCH = "authentication failed: token mismatch"
 
 _MAC_FIXED = struct.Struct("<16sBBIII")  # label, version, direction, world, client, server
+
+# (field, type) a frame must carry, in the order they are checked (extra keys are ignored)
+_HELLO = (("version", int), ("nonce", bytes))
+_CHALLENGE = (("version", int), ("rank", int), ("role", str), ("nonce", bytes))
+_AUTH = (("job_id", str), ("rank", int), ("world_size", int), ("role", str),
+         ("proof", bytes))
+_OK = (("proof", bytes),)
+
+
+def _fresh_nonce() -> bytes:
+    """A new random per-connection nonce (a function so tests can pin transcripts)."""
+    return secrets.token_bytes(NONCE_SIZE)
 
 
 def _describe(role: str, rank: int | None) -> str:
@@ -92,7 +123,7 @@ class HandshakeIdentity:
     job_id: str
     rank: int
     world_size: int
-    token: str | None = field(repr=False)
+    token: str | None
     role: str = "rank"
 
     def __post_init__(self) -> None:
@@ -109,6 +140,10 @@ class HandshakeIdentity:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
+    def __repr__(self) -> str:
+        """The fields, with the token shown as ``'***'`` (tokens are never printed)."""
+        return redacted_repr(self)
+
     @property
     def key(self) -> bytes:
         """The HMAC key: the token's UTF-8 bytes (empty without a token)."""
@@ -123,8 +158,8 @@ class HandshakeIdentity:
 class HandshakeStep:
     """What the driver does next: send ``send``, raise ``error``, stop when ``done``.
 
-    ``peer_rank`` is the other side's rank once known (the accepting side's rank for a
-    client, the connecting rank for a server).
+    ``peer_rank`` is the other side's rank once known (the rank the accepting side
+    announced, for a client; the rank the connecting side claimed, for a server).
     """
 
     send: bytes | None
@@ -159,31 +194,47 @@ def compute_proof(key: bytes, transcript: bytes) -> bytes:
     return hmac.new(key, transcript, hashlib.sha256).digest()
 
 
-def _check_identity_fields(fields: dict[str, Any], what: str) -> str | None:
-    """Why ``fields`` is not a well-formed HELLO/CHALLENGE identity, or ``None``."""
-    for name, kind in (("version", int), ("job_id", str), ("rank", int),
-                       ("world_size", int), ("role", str), ("nonce", bytes)):
+def _check_fields(fields: dict[str, Any], schema: tuple[tuple[str, type], ...],
+                  what: str) -> tuple[str | None, str] | None:
+    """Why ``fields`` is not a well-formed ``what`` frame, as ``(code, reason)``, or
+    ``None``. Only the frame's own content is judged (never this side's job or token),
+    so the reason is safe to tell anyone. A different handshake ``version`` is reported
+    before anything else, so a peer of another version learns exactly that."""
+    version = fields.get("version")
+    if "version" in dict(schema) and type(version) is int and version != HANDSHAKE_VERSION:
+        return "version", f"handshake version {version} != {HANDSHAKE_VERSION}"
+    for name, kind in schema:
         if name not in fields:
-            return f"malformed {what}: missing {name!r}"
+            return None, f"malformed {what}: missing {name!r}"
         if type(fields[name]) is not kind:
-            return (f"malformed {what}: {name!r} must be {kind.__name__}, "
-                    f"got {type(fields[name]).__name__}")
-    if len(fields["nonce"]) != NONCE_SIZE:
-        return f"malformed {what}: nonce must be {NONCE_SIZE} bytes"
-    if len(fields["job_id"].encode("utf-8")) > MAX_JOB_ID_BYTES:
-        return f"malformed {what}: job id longer than {MAX_JOB_ID_BYTES} bytes"
-    if fields["role"] not in ROLES:
-        return f"unknown role {_short(fields['role'])}"
+            return None, (f"malformed {what}: {name!r} must be {kind.__name__}, "
+                          f"got {type(fields[name]).__name__}")
+    return _check_values(fields, what)
+
+
+def _check_values(fields: dict[str, Any], what: str) -> tuple[str | None, str] | None:
+    """The range checks of ``_check_fields`` (sizes that the MAC transcript must fit)."""
+    for name, size in (("nonce", NONCE_SIZE), ("proof", PROOF_SIZE)):
+        if name in fields and len(fields[name]) != size:
+            return None, f"malformed {what}: {name} must be {size} bytes"
+    if "job_id" in fields:
+        job = fields["job_id"]
+        if not job or len(job.encode("utf-8")) > MAX_JOB_ID_BYTES:
+            return None, f"malformed {what}: job id must be 1..{MAX_JOB_ID_BYTES} bytes"
+    if "world_size" in fields and not 1 <= fields["world_size"] <= MAX_WORLD_SIZE:
+        return None, f"malformed {what}: world size {fields['world_size']} is not in 1..2**32-1"
+    if "rank" in fields and not 0 <= fields["rank"] <= MAX_RANK:
+        return None, f"malformed {what}: rank {fields['rank']} is not in 0..2**32-1"
+    if "role" in fields and fields["role"] not in ROLES:
+        return None, f"unknown role {_short(fields['role'])}"
     return None
 
 
 def _compare_identity(me: HandshakeIdentity,
                       fields: dict[str, Any]) -> tuple[str, str] | None:
-    """The first mismatch between our identity and the peer's fields (theirs != ours), as
-    ``(code, reason)``: the code goes into the ERROR frame so the other side can act on
-    the kind of refusal without parsing the text."""
-    if fields["version"] != PROTOCOL_VERSION:
-        return "version", f"protocol version {fields['version']} != {PROTOCOL_VERSION}"
+    """The first mismatch between our identity and an authenticated peer's claims
+    (theirs != ours), as ``(code, reason)``: the code goes into the ERROR frame so the
+    other side can act on the kind of refusal without parsing the text."""
     if fields["job_id"] != me.job_id:
         return "job_id", f"job id {_short(fields['job_id'])} != {me.job_id!r}"
     if fields["world_size"] != me.world_size:
@@ -194,10 +245,16 @@ def _compare_identity(me: HandshakeIdentity,
     return None
 
 
-def _error_frame(me: HandshakeIdentity, reason: str, code: str | None = None) -> bytes:
-    fields: dict[str, Any] = {"reason": reason, "rank": me.rank, "role": me.role}
+def _error_frame(reason: str, code: str | None,
+                 sender: HandshakeIdentity | None = None) -> bytes:
+    """An ERROR frame. ``sender`` (our rank and role) is added only for a peer that has
+    proven the token: a refusal to anyone else depends on nothing but its reason."""
+    fields: dict[str, Any] = {"reason": reason}
     if code is not None:
         fields["code"] = code
+    if sender is not None:
+        fields["rank"] = sender.rank
+        fields["role"] = sender.role
     return encode_control(FrameKind.ERROR, fields)
 
 
@@ -246,12 +303,22 @@ class _HandshakeSide(abc.ABC):
             return HandshakeStep(None, False, None, self._peer_rank())
         return self._on_frame(kind, frame.fields)
 
+    def _params(self, client: dict[str, Any], server: dict[str, Any],
+                job_id: str) -> dict[str, Any]:
+        """The ``mac_input`` keywords from the client's and server's identity fields
+        (``rank``, ``role``, ``nonce``; the client's also ``world_size``)."""
+        return dict(version=HANDSHAKE_VERSION, job_id=job_id,
+                    world_size=client["world_size"],
+                    client_rank=client["rank"], client_role=client["role"],
+                    server_rank=server["rank"], server_role=server["role"],
+                    client_nonce=client["nonce"], server_nonce=server["nonce"])
+
     @abc.abstractmethod
     def _ended_from(self) -> str:
         """`` from <peer>`` for the after-the-end message ("" if unknown)."""
 
     @abc.abstractmethod
-    def _reject(self, reason: str) -> HandshakeStep:
+    def _reject(self, reason: str, code: str | None = None) -> HandshakeStep:
         """We refuse the peer: tell it why and fail."""
 
     @abc.abstractmethod
@@ -264,11 +331,13 @@ class _HandshakeSide(abc.ABC):
 
 
 class ClientHandshake(_HandshakeSide):
-    """The connecting side: HELLO, then verify CHALLENGE and answer AUTH, then OK.
+    """The connecting side: HELLO; check CHALLENGE and prove the token in AUTH; verify
+    the acceptor's proof in OK.
 
     ``expect_role`` is the role we meant to reach (``"rank"`` for a peer,
     ``"coordinator"`` for the rendezvous port); ``expect_rank`` the rank we dialled, if
-    any; ``peer_label`` (usually ``host:port``) is used in messages only.
+    any; ``peer_label`` (usually ``host:port``) is used in messages only. Both are
+    checked on CHALLENGE, before we prove anything, and are authenticated by OK's proof.
     """
 
     def __init__(self, me: HandshakeIdentity, *, expect_role: str = "rank",
@@ -280,47 +349,51 @@ class ClientHandshake(_HandshakeSide):
         self.expect_rank = expect_rank
         self.peer_label = peer_label
         self._nonce = b""
-        self._peer: dict[str, Any] | None = None
+        self._peer: dict[str, Any] | None = None  # the CHALLENGE's rank, role, nonce
         self._state = "init"  # init -> hello-sent -> auth-sent -> done | failed
 
     def _peer_desc(self, fields: dict[str, Any] | None = None) -> str:
-        info = fields if fields is not None else self._peer
-        if info is not None:
-            role, rank = info.get("role"), info.get("rank")
-            if role in ROLES and type(rank) is int:
-                return _describe(role, rank)
+        for info in (fields, self._peer):
+            if info is not None:
+                role, rank = info.get("role"), info.get("rank")
+                if role in ROLES and type(rank) is int:
+                    return _describe(role, rank)
         if self.expect_role == "coordinator":
             return "coordinator"
         return _describe("rank", self.expect_rank)
 
-    def _reject(self, reason: str, claimed: dict[str, Any] | None = None,
-                code: str | None = None) -> HandshakeStep:
-        """We refuse the peer: tell it why and fail."""
+    def _reject(self, reason: str, code: str | None = None,
+                claimed: dict[str, Any] | None = None) -> HandshakeStep:
+        """We refuse the peer (described by ``claimed`` fields if given): tell it why and
+        fail. Our ERROR carries no identity: the acceptor proves itself only in OK."""
         self._state = "failed"
         error = AuthenticationError(f"{self.me.describe()} rejected "
-                                    f"{self._peer_desc(claimed)}{_at(self.peer_label)}: {reason}",
-                                    code=code)
-        return HandshakeStep(_error_frame(self.me, reason, code), True, error, self._peer_rank())
+                                    f"{self._peer_desc(claimed)}{_at(self.peer_label)}: "
+                                    f"{reason}", code=code)
+        return HandshakeStep(_error_frame(reason, code), True, error, self._peer_rank())
 
     def _refused(self, frame: ControlFrame) -> HandshakeStep:
-        """The peer refused us with an ERROR frame."""
+        """The peer refused us with an ERROR frame. Refused before CHALLENGE without a
+        code, the acceptor probably speaks another handshake version: say which we speak."""
+        hint = ""
+        code = _peer_code(frame)
+        if self._state == "hello-sent" and code is None:
+            hint = (f" (the peer may run another netdist version; this side speaks "
+                    f"handshake version {HANDSHAKE_VERSION})")
         self._state = "failed"
         error = AuthenticationError(
             f"{self._peer_desc(frame.fields)}{_at(self.peer_label)} refused "
-            f"{self.me.describe()}: {_peer_reason(frame)}", code=_peer_code(frame))
+            f"{self.me.describe()}: {_peer_reason(frame)}{hint}", code=code)
         return HandshakeStep(None, True, error, self._peer_rank())
 
     def initiate(self) -> bytes:
         """The HELLO frame to send first (call once)."""
         if self._state != "init":
             raise LocalProtocolError("ClientHandshake.initiate() called twice")
-        self._nonce = secrets.token_bytes(NONCE_SIZE)
+        self._nonce = _fresh_nonce()
         self._state = "hello-sent"
-        me = self.me
-        return encode_control(FrameKind.HELLO, {
-            "version": PROTOCOL_VERSION, "job_id": me.job_id, "rank": me.rank,
-            "world_size": me.world_size, "role": me.role, "nonce": self._nonce,
-        })
+        return encode_control(FrameKind.HELLO,
+                              {"version": HANDSHAKE_VERSION, "nonce": self._nonce})
 
     def receive(self, frame: ControlFrame | Any) -> HandshakeStep:
         """Advance on one received frame."""
@@ -336,48 +409,59 @@ class ClientHandshake(_HandshakeSide):
         if state == "hello-sent" and kind is FrameKind.CHALLENGE:
             return self._on_challenge(fields)
         if state == "auth-sent" and kind is FrameKind.OK:
-            self._state = "done"
-            return HandshakeStep(None, True, None, self._peer_rank())
+            return self._on_ok(fields)
         waiting = "CHALLENGE" if state == "hello-sent" else "OK"
         return self._reject(f"unexpected {kind.name} frame while waiting for {waiting}")
 
+    def _transcript(self, direction: int) -> bytes:
+        me, peer = self.me, self._peer
+        if peer is None:
+            raise LocalProtocolError("ClientHandshake: no CHALLENGE accepted yet (internal "
+                                     "state error)")
+        client = {"world_size": me.world_size, "rank": me.rank, "role": me.role,
+                  "nonce": self._nonce}
+        return mac_input(direction, **self._params(client, peer, me.job_id))
+
     def _on_challenge(self, fields: dict[str, Any]) -> HandshakeStep:
-        problem = _check_identity_fields(fields, "CHALLENGE")
-        if problem is None and type(fields.get("proof")) is not bytes:
-            problem = "malformed CHALLENGE: 'proof' must be bytes"
+        problem = _check_fields(fields, _CHALLENGE, "CHALLENGE")
         if problem is not None:
-            return self._reject(problem, fields)
-        self._peer = fields
+            return self._reject(problem[1], code=problem[0], claimed=fields)
+        self._peer = {"rank": fields["rank"], "role": fields["role"], "nonce": fields["nonce"]}
+        if fields["role"] != self.expect_role:
+            return self._reject(f"role {fields['role']!r} != expected {self.expect_role!r}",
+                                code="role")
+        if self.expect_rank is not None and fields["rank"] != self.expect_rank:
+            return self._reject(f"rank {fields['rank']} != expected {self.expect_rank}",
+                                code="rank")
         me = self.me
-        mismatch = _compare_identity(me, fields)
-        if mismatch is None and fields["role"] != self.expect_role:
-            mismatch = "role", f"role {fields['role']!r} != expected {self.expect_role!r}"
-        if (mismatch is None and self.expect_rank is not None
-                and fields["rank"] != self.expect_rank):
-            mismatch = "rank", f"rank {fields['rank']} != expected {self.expect_rank}"
-        if mismatch is not None:
-            return self._reject(mismatch[1], code=mismatch[0])
-        params = dict(version=PROTOCOL_VERSION, job_id=me.job_id, world_size=me.world_size,
-                      client_rank=me.rank, client_role=me.role,
-                      server_rank=fields["rank"], server_role=fields["role"],
-                      client_nonce=self._nonce, server_nonce=fields["nonce"])
-        key = me.key
-        expected = compute_proof(key, mac_input(PROOF_BY_ACCEPTOR, **params))
+        proof = compute_proof(me.key, self._transcript(PROOF_BY_CONNECTOR))
+        self._state = "auth-sent"
+        return HandshakeStep(encode_control(FrameKind.AUTH, {
+            "job_id": me.job_id, "rank": me.rank, "world_size": me.world_size,
+            "role": me.role, "proof": proof,
+        }), False, None, fields["rank"])
+
+    def _on_ok(self, fields: dict[str, Any]) -> HandshakeStep:
+        problem = _check_fields(fields, _OK, "OK")
+        if problem is not None:
+            return self._reject(problem[1], code=problem[0])
+        expected = compute_proof(self.me.key, self._transcript(PROOF_BY_ACCEPTOR))
         if not hmac.compare_digest(expected, fields["proof"]):
             return self._reject(TOKEN_MISMATCH, code="token")
-        proof = compute_proof(key, mac_input(PROOF_BY_CONNECTOR, **params))
-        self._state = "auth-sent"
-        return HandshakeStep(encode_control(FrameKind.AUTH, {"proof": proof}), False, None,
-                             fields["rank"])
+        self._state = "done"
+        return HandshakeStep(None, True, None, self._peer_rank())
 
 
 class ServerHandshake(_HandshakeSide):
-    """The accepting side: check HELLO, send CHALLENGE, verify AUTH, send OK.
+    """The accepting side: answer HELLO with a CHALLENGE nonce, verify AUTH's proof, then
+    check the now authenticated identity and prove the token in OK.
 
-    ``accept_rank(rank)`` is asked, only after the peer has proven the token, whether the
-    authenticated rank may connect; it returns ``None`` to accept or a reason to refuse
-    (e.g. ``"duplicate connection from rank 3"``). ``peer_label`` (usually the peer's
-    ``host:port``) is used in messages only.
+    Until AUTH's proof verifies, nothing we send depends on the token or on our job,
+    and every refusal is a fixed text (``TOKEN_MISMATCH`` for a wrong proof).
+    ``accept_rank(rank)`` is asked, only after the peer has proven the token and its
+    identity matched, whether the rank may connect; it returns ``None`` to accept or a
+    reason to refuse (e.g. ``"duplicate connection from rank 3"``). ``peer_label``
+    (usually the peer's ``host:port``) is used in messages only.
     """
 
     def __init__(self, me: HandshakeIdentity, *, peer_label: str = "",
@@ -386,15 +470,20 @@ class ServerHandshake(_HandshakeSide):
         self.peer_label = peer_label
         self.accept_rank = accept_rank
         self._nonce = b""
-        self._peer: dict[str, Any] | None = None
+        self._client_nonce = b""
+        self._peer: dict[str, Any] | None = None  # the AUTH's claims, plus the nonce
+        self._authenticated = False
         self._state = "wait-hello"  # wait-hello -> wait-auth -> done | failed
 
     def _reject(self, reason: str, code: str | None = None) -> HandshakeStep:
+        """We refuse the peer: tell it why (naming us only if it proved the token)."""
         self._state = "failed"
         src = f" from {self.peer_label}" if self.peer_label else ""
         error = AuthenticationError(f"{self.me.describe()} rejected connection{src}: {reason}",
                                     code=code)
-        return HandshakeStep(_error_frame(self.me, reason, code), True, error, self._peer_rank())
+        sender = self.me if self._authenticated else None
+        return HandshakeStep(_error_frame(reason, code, sender), True, error,
+                             self._peer_rank())
 
     def _refused(self, frame: ControlFrame) -> HandshakeStep:
         self._state = "failed"
@@ -420,52 +509,54 @@ class ServerHandshake(_HandshakeSide):
         return self._reject(f"unexpected {kind.name} frame while waiting for {waiting}")
 
     def _on_hello(self, fields: dict[str, Any]) -> HandshakeStep:
-        problem = _check_identity_fields(fields, "HELLO")
+        problem = _check_fields(fields, _HELLO, "HELLO")
         if problem is not None:
-            return self._reject(problem)
+            return self._reject(problem[1], code=problem[0])
+        me = self.me
+        self._client_nonce = fields["nonce"]
+        self._nonce = _fresh_nonce()
+        self._state = "wait-auth"
+        return HandshakeStep(encode_control(FrameKind.CHALLENGE, {
+            "version": HANDSHAKE_VERSION, "rank": me.rank, "role": me.role,
+            "nonce": self._nonce,
+        }), False, None, None)
+
+    def _transcript(self, direction: int) -> bytes:
+        me, peer = self.me, self._peer
+        if peer is None:
+            raise LocalProtocolError("ServerHandshake: no AUTH received yet (internal "
+                                     "state error)")
+        server = {"rank": me.rank, "role": me.role, "nonce": self._nonce}
+        return mac_input(direction, **self._params(peer, server, peer["job_id"]))
+
+    def _on_auth(self, fields: dict[str, Any]) -> HandshakeStep:
+        problem = _check_fields(fields, _AUTH, "AUTH")
+        if problem is not None:
+            return self._reject(problem[1], code=problem[0])
+        self._peer = {name: fields[name] for name, _ in _AUTH}
+        self._peer["nonce"] = self._client_nonce
+        me = self.me
+        expected = compute_proof(me.key, self._transcript(PROOF_BY_CONNECTOR))
+        if not hmac.compare_digest(expected, fields["proof"]):
+            return self._reject(TOKEN_MISMATCH, code="token")
+        self._authenticated = True
+        return self._admit(fields)
+
+    def _admit(self, fields: dict[str, Any]) -> HandshakeStep:
+        """The peer proved the token: check what it claims, then prove ours in OK."""
         me = self.me
         mismatch = _compare_identity(me, fields)
         if mismatch is not None:
             return self._reject(mismatch[1], code=mismatch[0])
-        self._peer = fields
-        rank = fields["rank"]
+        rank: int = fields["rank"]
         if fields["role"] != "rank":
             return self._reject(f"role {fields['role']!r} != expected 'rank'")
         if me.role == "rank" and rank == me.rank:
             return self._reject(f"rank {rank} is this rank")
-        self._nonce = secrets.token_bytes(NONCE_SIZE)
-        proof = compute_proof(me.key, mac_input(PROOF_BY_ACCEPTOR, **self._params()))
-        self._state = "wait-auth"
-        return HandshakeStep(encode_control(FrameKind.CHALLENGE, {
-            "version": PROTOCOL_VERSION, "job_id": me.job_id, "rank": me.rank,
-            "world_size": me.world_size, "role": me.role, "nonce": self._nonce,
-            "proof": proof,
-        }), False, None, rank)
-
-    def _hello(self) -> dict[str, Any]:
-        """The accepted HELLO's fields (only called after ``_on_hello`` stored them)."""
-        peer = self._peer
-        if peer is None:
-            raise LocalProtocolError("ServerHandshake: no HELLO accepted yet (internal "
-                                     "state error)")
-        return peer
-
-    def _params(self) -> dict[str, Any]:
-        me, peer = self.me, self._hello()
-        return dict(version=PROTOCOL_VERSION, job_id=me.job_id, world_size=me.world_size,
-                    client_rank=peer["rank"], client_role=peer["role"],
-                    server_rank=me.rank, server_role=me.role,
-                    client_nonce=peer["nonce"], server_nonce=self._nonce)
-
-    def _on_auth(self, fields: dict[str, Any]) -> HandshakeStep:
-        proof = fields.get("proof")
-        expected = compute_proof(self.me.key, mac_input(PROOF_BY_CONNECTOR, **self._params()))
-        if type(proof) is not bytes or not hmac.compare_digest(expected, proof):
-            return self._reject(TOKEN_MISMATCH, code="token")
-        rank: int = self._hello()["rank"]
         if self.accept_rank is not None:
             veto = self.accept_rank(rank)
             if veto is not None:
                 return self._reject(str(veto))
+        proof = compute_proof(me.key, self._transcript(PROOF_BY_ACCEPTOR))
         self._state = "done"
-        return HandshakeStep(encode_control(FrameKind.OK), True, None, rank)
+        return HandshakeStep(encode_control(FrameKind.OK, {"proof": proof}), True, None, rank)

@@ -14,7 +14,7 @@ from tests.transport.util import free_port
 
 
 def config(rank: int, world_size: int, port: int, **overrides) -> DistributedConfig:
-    settings = dict(job_id="rdv", token="secret", connect_timeout=5.0)
+    settings = dict(job_id="rdv", token="secret-rendezvous-token", connect_timeout=5.0)
     settings.update(overrides)
     return DistributedConfig(rank=rank, world_size=world_size,
                              coordinator=("127.0.0.1", port), **settings)
@@ -136,6 +136,6 @@ async def test_wrong_token_at_the_coordinator_is_an_authentication_error():
     coordinator = await Coordinator.start(config(0, 2, 0))
     try:
         with pytest.raises(AuthenticationError, match="token mismatch"):
-            await register(1, 2, coordinator.address[1], 5001, token="wrong")
+            await register(1, 2, coordinator.address[1], 5001, token="wrong-rendezvous-token")
     finally:
         await coordinator.aclose()

@@ -140,13 +140,13 @@ async def test_wrong_token_in_a_whole_job(caplog):
     ready: asyncio.Future[tuple[str, int]] = loop.create_future()
     base = dict(world_size=2, job_id="tokens", connect_timeout=1.5, timeout=5.0)
     rank0 = asyncio.create_task(TcpTransport.connect(
-        DistributedConfig(rank=0, coordinator=("127.0.0.1", 0), token="right", **base),
+        DistributedConfig(rank=0, coordinator=("127.0.0.1", 0), token="right-token-0123", **base),
         on_coordinator_ready=ready.set_result))
     address = await asyncio.wait_for(ready, 5.0)
     with caplog.at_level(logging.WARNING, logger="netdist.transport"):
         with pytest.raises(AuthenticationError, match="token mismatch"):
             await TcpTransport.connect(
-                DistributedConfig(rank=1, coordinator=address, token="wrong", **base))
+                DistributedConfig(rank=1, coordinator=address, token="a-wrong-token-0123", **base))
         with pytest.raises(RendezvousTimeoutError, match="rank 1 never arrived") as info:
             await asyncio.wait_for(rank0, 10.0)
     assert info.value.missing == (1,)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from netdist.config import WireLimits
@@ -22,6 +22,8 @@ from netdist.wire import (
     encode_control,
     encode_data,
 )
+
+from netdist.wire.decoder import MAX_EXTENT_BYTES
 
 from .helpers import decode_in_chunks, drain, frame_bytes, raw_frame, receive_via_buffers
 
@@ -433,6 +435,162 @@ def test_constructor_validation() -> None:
     with pytest.raises(TypeError, match="WireLimits"):
         FrameDecoder(limits={})  # type: ignore[arg-type]
     assert repr(NEED_DATA) == "NEED_DATA" and str(NEED_DATA) == "NEED_DATA"
+
+
+# ---------------------------------------------------------------------------------------
+# shapes that multiply to zero (issue 12, item 11)
+#
+# The fuzz rule: any input either decodes or raises RemoteProtocolError, nothing else.
+# A zero dimension makes prod(shape) * itemsize == P == 0 hold whatever the other
+# dimensions are, so a huge one used to pass validation and make np.empty raise
+# ValueError. The decoder now also bounds the non-zero dimensions times the itemsize by
+# MAX_EXTENT_BYTES (what a NumPy array can address), with exact Python ints.
+
+
+def _extent(shape: list[int], itemsize: int) -> int:
+    extent = itemsize
+    for dim in shape:
+        extent *= dim or 1
+    return extent
+
+
+def _zero_frame(name: str, shape: list[int]) -> bytes:
+    return raw_frame(0, {"tag": 3, "dtype": name, "shape": shape}, b"")
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("uint8", [0, 2**63 - 1]),                # the largest empty array NumPy can describe
+    ("float16", [2**62 - 1, 0]),
+    ("float64", [0, 2**28, 2**32 - 1]),
+    ("uint8", [0, 2**32, 2**31 - 1, 0]),
+    ("bfloat16", [0, 4, 0, 2**40]),
+])
+def test_empty_arrays_with_large_dimensions_decode(name: str, shape: list[int]) -> None:
+    header, payload = _decode_one(_zero_frame(name, shape))
+    assert header == DataHeader(3, WIRE_DTYPES[name], tuple(shape)) and header.nbytes == 0
+    assert payload.shape == tuple(shape) and payload.dtype == WIRE_DTYPES[name]
+    assert payload.size == 0
+
+
+@pytest.mark.parametrize("name, shape, extent", [
+    ("float32", [0, 2**62], 2**64),           # the issue's case: a 0 and a dimension 2**62
+    ("uint8", [0, 2**63], 2**63),             # one past the limit
+    ("float16", [2**62, 0], 2**63),
+    ("uint8", [0, 2**32, 2**31], 2**63),
+    ("int64", [3, 0, 2**64 - 1, 1], 24 * (2**64 - 1)),
+])
+def test_empty_arrays_beyond_numpy_are_remote_errors(name: str, shape: list[int],
+                                                     extent: int) -> None:
+    dec = FrameDecoder()
+    dec.feed(_zero_frame(name, shape))
+    with pytest.raises(RemoteProtocolError) as info:
+        dec.next_frame()
+    assert str(info.value) == (
+        f"shape {shape!r} of {name} cannot be allocated: its non-zero dimensions span "
+        f"{extent} bytes, more than the {MAX_EXTENT_BYTES} an array can address")
+    assert dec.failed
+
+
+def test_the_extent_limit_is_exact() -> None:
+    """At the limit the frame decodes (NumPy agrees); one element past it is refused."""
+    assert MAX_EXTENT_BYTES == np.iinfo(np.intp).max
+    at_limit = [0, MAX_EXTENT_BYTES // 8]
+    header, payload = _decode_one(_zero_frame("float64", at_limit))
+    assert payload.shape == tuple(at_limit)
+    with pytest.raises(ValueError):  # NumPy's own limit, one element further
+        np.empty((0, MAX_EXTENT_BYTES // 8 + 1), np.float64)
+    dec = FrameDecoder()
+    dec.feed(_zero_frame("float64", [0, MAX_EXTENT_BYTES // 8 + 1]))
+    with pytest.raises(RemoteProtocolError, match="cannot be allocated"):
+        dec.next_frame()
+
+
+_DIMS = st.one_of(
+    st.just(0),
+    st.integers(1, 4),
+    st.sampled_from([2**k + d for k in (31, 32, 48, 61, 62, 63, 64) for d in (-1, 0, 1)
+                     if 2**k + d < 2**64]),
+    st.integers(0, 2**64 - 1),
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(sorted(WIRE_DTYPES)),
+       st.lists(_DIMS, min_size=1, max_size=6).filter(lambda dims: 0 in dims),
+       st.booleans(), st.booleans())
+def test_shapes_that_multiply_to_zero_decode_or_raise_remote_errors(
+        name: str, shape: list[int], byte_by_byte: bool, with_destination: bool) -> None:
+    dtype = WIRE_DTYPES[name]
+    data = _zero_frame(name, shape)
+    dec = FrameDecoder(scratch_bytes=64)
+    events = []
+    try:
+        for i in range(len(data)) if byte_by_byte else [None]:
+            dec.feed(data if i is None else data[i:i + 1])
+            while (event := dec.next_event()) is not NEED_DATA:
+                if isinstance(event, DataStart) and with_destination:
+                    dec.set_payload_destination(bytearray(0))
+                events.append(event)
+    except RemoteProtocolError as exc:
+        assert _extent(shape, dtype.itemsize) > MAX_EXTENT_BYTES
+        assert "cannot be allocated" in str(exc) and dec.failed
+        return
+    assert _extent(shape, dtype.itemsize) <= MAX_EXTENT_BYTES
+    assert [type(e) for e in events] == [DataStart, DataEnd]
+    end = events[1]
+    assert isinstance(end, DataEnd) and end.header.shape == tuple(shape)
+    if not with_destination:
+        assert end.payload.shape == tuple(shape) and end.payload.dtype == dtype
+
+
+# ---------------------------------------------------------------------------------------
+# switching limits between frames (a handshake under small limits, then the job's)
+
+
+def test_set_limits_keeps_buffered_bytes_and_grows_scratch() -> None:
+    small = WireLimits(max_header_bytes=64)
+    hello = encode_control(FrameKind.HELLO, {"job": "j"})
+    array = np.arange(40, dtype=np.int16).reshape(4, 10)
+    data = hello + frame_bytes(encode_data(array, tag=5))
+    dec = FrameDecoder(small, scratch_bytes=32)
+    view = dec.get_buffer()
+    view[:len(view)] = data[:len(view)]  # the HELLO and the start of the data frame
+    dec.buffer_updated(len(view))
+    assert dec.next_event() == ControlFrame(FrameKind.HELLO, {"job": "j"})
+    dec.set_limits(WireLimits(), scratch_bytes=4096)
+    assert len(dec.get_buffer()) == 4096 - (32 - len(hello))
+    events = receive_via_buffers(dec, data[32:], read_size=1000)
+    assert events[-1] == ("end", 5, "<i2", (4, 10), array.tobytes())
+
+
+def test_set_limits_rechecks_a_prefix_already_read() -> None:
+    wide = WireLimits(max_ndim=64)
+    big_header = frame_bytes(encode_data(np.zeros((1,) * 60, np.uint8), tag=1, limits=wide))
+    hlen = int.from_bytes(big_header[4:8], "little")
+    assert hlen > 65
+    dec = FrameDecoder(WireLimits(max_header_bytes=hlen, max_ndim=64))
+    dec.feed(big_header[:20])  # prefix accepted under the old limit, header incomplete
+    assert dec.next_event() is NEED_DATA
+    dec.set_limits(WireLimits(max_header_bytes=hlen - 1, max_ndim=64))
+    dec.feed(big_header[20:])
+    with pytest.raises(RemoteProtocolError, match=f"header length {hlen} exceeds"):
+        dec.next_event()
+
+
+def test_set_limits_only_between_frames() -> None:
+    dec = FrameDecoder()
+    dec.feed(frame_bytes(encode_data(np.zeros(4, np.float32), tag=1))[:-1])
+    assert isinstance(dec.next_event(), DataStart)
+    with pytest.raises(LocalProtocolError, match="while a data frame is in progress"):
+        dec.set_limits(WireLimits())
+    with pytest.raises(TypeError, match="WireLimits"):
+        FrameDecoder().set_limits({})  # type: ignore[arg-type]
+    failed = FrameDecoder()
+    failed.feed(b"XX")
+    with pytest.raises(RemoteProtocolError):
+        failed.next_event()
+    failed.set_limits(WireLimits(max_header_bytes=64))  # a failed decoder stays failed
+    assert failed.failed
 
 
 def test_repeated_headers_are_still_checked_against_p() -> None:
