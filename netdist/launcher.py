@@ -21,9 +21,15 @@ Output: each child's stdout and stderr are read line by line and written to the
 launcher's stdout and stderr with a ``[rank N] `` prefix (every pipe is drained all the
 time, so a chatty child never blocks on a full pipe, and no line is lost or interleaved).
 
-Failing together: when a child exits non-zero the launcher sends SIGTERM to every other
-child's process group, SIGKILL to those still alive after ``grace_period`` seconds, and
-reports e.g. ``netdist launch: rank 2 exited with code 3; terminated ranks 0, 1, 3``.
+Failing together: when a child exits non-zero the launcher sends SIGTERM (then SIGCONT,
+so a stopped rank acts on it) to every other child's process group, SIGKILL to those
+still alive after ``grace_period`` seconds, and reports e.g. ``netdist launch: rank 2
+exited with code 3; terminated ranks 0, 1, 3``. Once every rank has exited and its output
+is drained, it prints a summary (``netdist.launch_report``): the rank that went away first
+-- stopped, left early with code 0 while others still ran, or failed first -- with its
+own error (the end of its last traceback, kept from its stderr), then every other rank in
+one line, in the order they exited (``rank 2: PeerLostError: ... (exit code 1; a
+consequence)``). The summary is left out when it would only repeat the one-line report.
 
 Exit codes of ``launch()``:
 
@@ -35,8 +41,21 @@ Exit codes of ``launch()``:
 - 127 / 126 when the command could not be started (not found / not executable).
 
 A second SIGINT or SIGTERM while children are being terminated skips the grace period
-and kills them at once. POSIX only (process groups). If the launcher itself is killed
-with SIGKILL it cannot clean up; its children then live on in their own process groups.
+and kills them at once. POSIX only (process groups).
+
+Dying with the launcher: a SIGKILLed launcher cannot clean up, so on Linux each child is
+started through a tiny wrapper (``python -I -S -c``, about 10 ms) that sets
+``PR_SET_PDEATHSIG`` to SIGKILL and then ``exec``s the command, keeping the pid, the
+process group and the parent: when the launcher dies, the kernel kills every rank, Python
+or not. A wrapper rather than ``preexec_fn``, because ``preexec_fn`` runs Python in the
+forked child of a multi-threaded process (the launcher's waiter threads), which may
+deadlock, and it disables ``posix_spawn``. The wrapper checks that its parent is still
+the launcher after ``prctl`` (no window where a launcher death goes unnoticed) and reports
+an ``exec`` failure over a close-on-exec pipe, so a missing command still gives 127 with
+the usual message. The signal is tied to the thread that called ``launch()``, which stays
+in ``launch()`` until its children are gone. Processes a rank starts itself are not
+covered (the rank can ask for the same with ``prctl``). Elsewhere children are started
+directly and outlive a SIGKILLed launcher.
 """
 
 from __future__ import annotations
@@ -52,6 +71,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
@@ -59,6 +79,13 @@ from typing import IO, Any, TextIO, cast
 
 from netdist.config import parse_host_port
 from netdist.errors import ConfigError
+from netdist.launch_report import (
+    RankExit,
+    describe_exit,
+    rank_list,
+    summarize_failure,
+    worth_printing,
+)
 
 __all__ = [
     "launch",
@@ -85,29 +112,42 @@ _MAX_PARTIAL_LINE = 64 * 1024
 _READ_SIZE = 64 * 1024
 _PREFIX = "netdist launch: "
 
+_TAIL_LINES = 200
+"""Lines of each rank's stderr kept for the failure summary."""
+
+_TAIL_LINE_CHARS = 2000
+"""Longer stderr lines are cut to this many characters in the kept tail."""
+
+_EXEC_REPORT_TIMEOUT = 60.0
+"""How long the parent-death wrapper may take to ``exec`` the command or report why not."""
+
+_PDEATHSIG_WRAPPER = r"""
+import ctypes, os, sys
+launcher, report = int(sys.argv[1]), int(sys.argv[2])
+cmd = sys.argv[3:]
+try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL: die with the launcher
+except (OSError, AttributeError):
+    pass  # no prctl: run without it, as on other systems
+if os.getppid() != launcher:  # the launcher died before prctl took effect
+    os._exit(137)
+os.set_inheritable(report, False)
+try:
+    os.execvp(cmd[0], cmd)
+except OSError as exc:
+    os.write(report, str(exc.errno or 0).encode())
+    os._exit(127)
+"""
+"""Run as ``python -I -S -c WRAPPER LAUNCHER_PID REPORT_FD CMD...`` (module docstring)."""
+
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        signum = -returncode
-        try:
-            name = signal.Signals(signum).name
-        except ValueError:
-            name = f"signal {signum}"
-        return f"was killed by signal {signum} ({name})"
-    return f"exited with code {returncode}"
 
 
 def _exit_status(returncode: int) -> int:
     """Shell-style status: the exit code, or 128 + N for a death by signal N."""
     return 128 - returncode if returncode < 0 else returncode
-
-
-def _rank_list(ranks: Sequence[int]) -> str:
-    noun = "rank" if len(ranks) == 1 else "ranks"
-    return f"{noun} {', '.join(str(r) for r in ranks)}"
 
 
 def _format_host_port(host: str, port: int) -> str:
@@ -132,6 +172,40 @@ def _signal_group(pid: int, signum: int) -> None:
         os.killpg(pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in ``/proc/<pid>/stat`` (``T``: stopped); ``None`` if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0].decode("ascii", "replace") if fields else None
+
+
+def _use_pdeathsig_wrapper() -> bool:
+    """Whether children are started through ``_PDEATHSIG_WRAPPER`` (Linux with an interpreter)."""
+    return sys.platform.startswith("linux") and bool(sys.executable)
+
+
+def _read_exec_report(fd: int) -> int | None:
+    """Wait for the wrapper to ``exec`` (EOF: ``None``) or report the ``errno`` of its failure."""
+    data = b""
+    deadline = time.monotonic() + _EXEC_REPORT_TIMEOUT
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sel.select(remaining):
+                return errno.ETIMEDOUT
+            chunk = os.read(fd, 64)
+            if not chunk:
+                break
+            data += chunk
+    if not data:
+        return None
+    return (int(data) or errno.ENOEXEC) if data.isdigit() else errno.ENOEXEC
 
 
 def _log(message: str) -> None:
@@ -173,11 +247,16 @@ class _Sink:
 
 
 class _LineSplitter:
-    """Turns a child's byte stream into ``[rank N] ``-prefixed lines for one sink."""
+    """Turns a child's byte stream into ``[rank N] ``-prefixed lines for one sink.
 
-    def __init__(self, prefix: bytes, sink: _Sink) -> None:
+    With ``tail``, the last lines are also kept there (decoded, cut to
+    ``_TAIL_LINE_CHARS``) for the failure summary.
+    """
+
+    def __init__(self, prefix: bytes, sink: _Sink, tail: deque[str] | None = None) -> None:
         self._prefix = prefix
         self._sink = sink
+        self._tail = tail
         self._partial = b""
 
     def feed(self, data: bytes) -> None:
@@ -188,12 +267,20 @@ class _LineSplitter:
             self._partial = b""
         if lines:
             self._sink.write(b"".join(self._prefix + line + b"\n" for line in lines))
+            self._keep(lines)
 
     def close(self) -> None:
         """Flush a last line that had no newline."""
         if self._partial:
             self._sink.write(self._prefix + self._partial + b"\n")
+            self._keep([self._partial])
             self._partial = b""
+
+    def _keep(self, lines: list[bytes]) -> None:
+        if self._tail is not None:
+            for line in lines[-_TAIL_LINES:]:
+                text = line[:_TAIL_LINE_CHARS * 4].decode("utf-8", errors="replace")
+                self._tail.append(text.rstrip("\r")[:_TAIL_LINE_CHARS])
 
 
 class _Wakeup:
@@ -253,6 +340,42 @@ class _Wakeup:
             pass
 
 
+def _popen(cmd: list[str], env: dict[str, str], pipe: int | None) -> subprocess.Popen[bytes]:
+    """Start one rank in its own process group, through the parent-death wrapper on Linux.
+
+    Raises ``OSError`` (``FileNotFoundError``, ``PermissionError``, ...) with the command
+    as the file name when it cannot be started, as ``subprocess.Popen`` does.
+    """
+    if not _use_pdeathsig_wrapper():
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=pipe,
+                                stderr=pipe, process_group=0, close_fds=True)
+    read_fd, write_fd = os.pipe()
+    try:
+        wrapped = [sys.executable, "-I", "-S", "-c", _PDEATHSIG_WRAPPER, str(os.getpid()),
+                   str(write_fd), *cmd]
+        proc = subprocess.Popen(wrapped, env=env, stdin=subprocess.DEVNULL, stdout=pipe,
+                                stderr=pipe, process_group=0, close_fds=True,
+                                pass_fds=(write_fd,))
+        os.close(write_fd)
+        write_fd = -1
+        failure = _read_exec_report(read_fd)
+    finally:
+        if write_fd >= 0:
+            os.close(write_fd)
+        os.close(read_fd)
+    if failure is None:
+        return proc
+    reason = os.strerror(failure)
+    if failure == errno.ETIMEDOUT:
+        _signal_group(proc.pid, signal.SIGKILL)
+        reason = f"not started within {_EXEC_REPORT_TIMEOUT:g} s"
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+    proc.wait()
+    raise OSError(failure, reason, cmd[0])
+
+
 # --------------------------------------------------------------------------- one attempt
 
 
@@ -270,7 +393,10 @@ class _Child:
     def __init__(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         self.rank = rank
         self.proc = proc
+        self.exit_time = 0.0  # time.monotonic() when reaped; set before exit_seq
         self.exit_seq: int | None = None  # set by the waiter thread after reaping
+        self.stderr_tail: deque[str] = deque(maxlen=_TAIL_LINES)
+        self.stopped = False  # stopped (state T) when the job's failure was detected
 
     @property
     def exited(self) -> bool:
@@ -306,8 +432,10 @@ class _Attempt:
         self.open_pipes = 0
         self.handled_signals = 0
         self.kill_at: float | None = None  # SIGKILL time once terminating
+        self.terminated_at = float("inf")  # time.monotonic() of the SIGTERM, once sent
         self.killed = False
         self.terminating = False
+        self.rank_failed = False  # the job ended because a rank exited non-zero
 
     # -- spawning -------------------------------------------------------------------
 
@@ -319,12 +447,12 @@ class _Attempt:
             "LOCAL_RANK": str(rank),
         })
         pipe = subprocess.PIPE if self.prefix_output else None
-        proc = subprocess.Popen(self.cmd, env=env, stdin=subprocess.DEVNULL, stdout=pipe,
-                                stderr=pipe, process_group=0, close_fds=True)
+        proc = _popen(self.cmd, env, pipe)
         child = _Child(rank, proc)
         for stream, sink in ((proc.stdout, self.sinks[0]), (proc.stderr, self.sinks[1])):
             if stream is not None:
-                splitter = _LineSplitter(f"[rank {rank}] ".encode(), sink)
+                tail = child.stderr_tail if stream is proc.stderr else None
+                splitter = _LineSplitter(f"[rank {rank}] ".encode(), sink, tail)
                 self.selector.register(stream, selectors.EVENT_READ, splitter)
                 self.open_pipes += 1
         waiter = threading.Thread(target=self._wait_for, args=(child,), daemon=True,
@@ -335,6 +463,7 @@ class _Attempt:
 
     def _wait_for(self, child: _Child) -> None:
         child.proc.wait()
+        child.exit_time = time.monotonic()
         child.exit_seq = next(self.exit_counter)
         self.wakeup.notify()
 
@@ -368,21 +497,27 @@ class _Attempt:
     # -- termination ----------------------------------------------------------------
 
     def _terminate(self) -> list[int]:
-        """SIGTERM every rank's process group; return the ranks that were still running."""
+        """SIGTERM every rank's process group; return the ranks that were still running.
+
+        SIGCONT follows, so a stopped rank acts on the SIGTERM instead of waiting for
+        the SIGKILL at the end of the grace period.
+        """
         self.terminating = True
-        self.kill_at = time.monotonic() + self.grace_period
+        self.terminated_at = time.monotonic()
+        self.kill_at = self.terminated_at + self.grace_period
         running = []
         for child in self.children:
             if not child.exited:
                 running.append(child.rank)
             _signal_group(child.proc.pid, signal.SIGTERM)
+            _signal_group(child.proc.pid, signal.SIGCONT)
         return running
 
     def _kill_remaining(self, why: str) -> None:
         """SIGKILL the process group of every rank still running, saying ``why``."""
         stubborn = [c.rank for c in self.children if not c.exited]
         if stubborn:
-            _log(why.format(ranks=_rank_list(stubborn)))
+            _log(why.format(ranks=rank_list(stubborn)))
         for child in self.children:
             if not child.exited:
                 _signal_group(child.proc.pid, signal.SIGKILL)
@@ -424,7 +559,7 @@ class _Attempt:
                 if self.children:
                     running = self._terminate()
                     self._finish_termination()
-                    _log(f"terminated {_rank_list(running)}")
+                    _log(f"terminated {rank_list(running)}")
                 return _Outcome(status, restartable=False)
             if self.wakeup.signals:
                 break  # stop spawning; the loop below handles the signal
@@ -450,9 +585,22 @@ class _Attempt:
             for child in self.children:
                 _signal_group(child.proc.pid, signal.SIGKILL)
         self._drain_output()
+        if self.rank_failed:
+            self._print_summary()
         if reported is None:  # pragma: no cover - _check reports before all exit
             reported = _Outcome(0, restartable=False)
         return reported
+
+    def _print_summary(self) -> None:
+        """The failure summary (``netdist.launch_report``), once every rank has exited."""
+        exits = [RankExit(rank=c.rank, returncode=c.returncode, order=c.exit_seq or 0,
+                          stderr_tail=tuple(c.stderr_tail),
+                          after_terminate=c.exit_time > self.terminated_at,
+                          stopped=c.stopped)
+                 for c in self.children if c.exited]
+        if worth_printing(exits):
+            for line in summarize_failure(exits):
+                _log(line)
 
     def _wait_time(self, now: float) -> float | None:
         limits = []
@@ -469,19 +617,22 @@ class _Attempt:
             self.handled_signals = len(self.wakeup.signals)
             running = self._terminate()
             message = f"received {signal.Signals(signum).name}"
-            _log(f"{message}; terminated {_rank_list(running)}" if running else message)
+            _log(f"{message}; terminated {rank_list(running)}" if running else message)
             return _Outcome(128 + signum, restartable=False)
         failed = sorted((c for c in self.children if c.exited and c.returncode != 0),
                         key=lambda c: c.exit_seq or 0)
         if failed:
             first = failed[0]
+            for child in self.children:  # before SIGCONT: who had stopped answering?
+                child.stopped = not child.exited and _process_state(child.proc.pid) == "T"
+            self.rank_failed = True
             running = self._terminate()
-            message = f"rank {first.rank} {_describe_exit(first.returncode)}"
-            _log(f"{message}; terminated {_rank_list(running)}" if running else message)
+            message = f"rank {first.rank} {describe_exit(first.returncode)}"
+            _log(f"{message}; terminated {rank_list(running)}" if running else message)
             return _Outcome(_exit_status(first.returncode), restartable=True)
         if self.deadline is not None and now >= self.deadline:
             running = self._terminate()
-            _log(f"job timed out after {self.timeout:g} s; terminated {_rank_list(running)}")
+            _log(f"job timed out after {self.timeout:g} s; terminated {rank_list(running)}")
             return _Outcome(EXIT_TIMEOUT, restartable=False)
         if all(c.exited for c in self.children):
             return _Outcome(0, restartable=False)

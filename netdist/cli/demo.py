@@ -4,7 +4,9 @@ Starts N ``netdist worker`` processes on 127.0.0.1 through the launcher (output 
 ``[rank N]``); rank 0 reports epoch, step, loss, samples/s, the share of time spent
 communicating and the final test accuracy. With ``--pipeline-stages P`` the N ranks form
 N/P replicas of a P-stage pipeline (N must be a multiple of P; checked here, before any
-process starts).
+process starts), and so is --checkpoint-dir: created, and a probe file written and
+removed, so a directory that cannot be written fails here in one line (exit 2) instead of
+at the first save.
 """
 
 from __future__ import annotations
@@ -60,5 +62,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"-n must be >= 1, got {args.nprocs}")
     config = config_from_args(args)  # fail here, once, rather than in every rank
     config.check_world_size(args.nprocs)
+    if config.checkpoint_dir:  # before any rank starts, not at the first save
+        from netdist.train.demo import checkpoint_dir_problem
+
+        problem = checkpoint_dir_problem(config.checkpoint_dir)
+        if problem:
+            raise ConfigError(f"--checkpoint-dir: {problem}")
     cmd = [sys.executable, "-m", "netdist.cli.main", "worker", *training_argv(args)]
     return launch(cmd, args.nprocs, max_restarts=args.max_restarts, timeout=args.job_timeout)

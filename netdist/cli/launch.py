@@ -14,6 +14,10 @@ each rank gets NETDIST_RANK, NETDIST_WORLD_SIZE, NETDIST_COORDINATOR, NETDIST_JO
 NETDIST_TOKEN (kept from the environment or generated; never printed),
 NETDIST_RESTART_COUNT, and RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE.
 
+when a rank fails the others are stopped, and a summary at the end names the rank that
+went away first (failed, exited 0 while others still ran, or was stopped) with its own
+error, then every other rank in one line. On Linux the ranks die with the launcher.
+
 exit status: 0 if every rank succeeded; else the first failing rank's exit code
 (128+N if it died from signal N); 130/143 on SIGINT/SIGTERM; 124 on --timeout;
 127/126 if the command cannot be started; 2 for invalid options.

@@ -11,8 +11,10 @@ to build the parser, so keep heavy imports (numpy-heavy code, sklearn, ...) insi
 
 Errors: a ``ConfigError`` escaping ``run()`` prints ``netdist <cmd>: error: <message>`` and
 exits 2 (as argparse does for bad usage); any other ``NetdistError`` prints the same and
-exits 1; ``NETDIST_DEBUG=1`` adds the traceback. Ctrl-C exits 130. Anything else is a bug
-and shows its traceback.
+exits 1 (a ``PeerLostError`` / ``TransportClosedError`` as ``error: PeerLostError:
+<message>``: one line that says this rank only lost a peer, which ``netdist launch``'s
+failure summary marks as a consequence); ``NETDIST_DEBUG=1`` adds the traceback. Ctrl-C
+exits 130. Anything else is a bug and shows its traceback.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ import traceback
 from collections.abc import Sequence
 
 from netdist import __version__
-from netdist.errors import ConfigError, NetdistError
+from netdist.errors import ConfigError, NetdistError, PeerLostError, TransportClosedError
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = ["COMMANDS", "build_parser", "format_error", "main"]
 
 COMMANDS: tuple[str, ...] = ("launch", "worker", "demo", "bench", "ckpt", "ps_server")
 """Subcommand modules under ``netdist.cli``, in the order ``netdist --help`` lists them."""
@@ -55,10 +57,22 @@ def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentPars
     return parser
 
 
+def format_error(cmd: str, exc: BaseException) -> str:
+    """``netdist <cmd>: error: <message>``, the one line every subcommand prints.
+
+    A lost peer is named by type (``error: PeerLostError: ...``) so that ``netdist
+    launch``'s failure summary can tell a consequence (this rank only lost another) from
+    a rank's own error.
+    """
+    lost_peer = isinstance(exc, (PeerLostError, TransportClosedError))
+    kind = f"{type(exc).__name__}: " if lost_peer else ""
+    return f"netdist {cmd}: error: {kind}{exc}"
+
+
 def _report(cmd: str, exc: BaseException) -> None:
     if os.environ.get("NETDIST_DEBUG", "") not in ("", "0"):
         traceback.print_exception(exc, file=sys.stderr)
-    print(f"netdist {cmd}: error: {exc}", file=sys.stderr, flush=True)
+    print(format_error(cmd, exc), file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

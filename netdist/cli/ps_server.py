@@ -1,9 +1,10 @@
 """``netdist ps-server``: run the dedicated parameter-server ranks of a job.
 
-The first ``--num-servers`` ranks of the job (default ``$NETDIST_PS_SERVERS``, else 1)
-serve: each joins the job (``netdist.init``: rank, world size, coordinator and token from
-the environment), holds its shard of the parameters, applies the optimizer the workers
-chose, and exits 0 once every worker has said it is done. The other ranks are workers:
+The first ``--num-servers`` ranks of the job (default ``$NETDIST_PS_SERVERS``, else 2, or
+1 in a 2-rank job: ``netdist.ps.state.default_num_servers``) serve: each joins the job
+(``netdist.init``: rank, world size, coordinator and token from the environment), holds
+its shard of the parameters, applies the optimizer the workers chose, and exits 0 once
+every worker has said it is done. The other ranks are workers:
 given a command after ``--`` they replace themselves with it (``exec``), with
 ``NETDIST_PS_SERVERS`` set, so one command line starts the whole job::
 
@@ -11,7 +12,8 @@ given a command after ``--`` they replace themselves with it (``exec``), with
 
 Here ranks 0 and 1 serve and ranks 2..4 run ``train.py``, which uses
 ``netdist.ps.PSClient(transport, num_servers=2)``. A failed or lost worker makes the
-servers exit 1 with the reason (and tells the other workers).
+servers exit 1 with the reason (and tells the other workers). ``--help`` shows the same
+as plain text (``_DESCRIPTION``): argparse prints a description verbatim.
 """
 
 from __future__ import annotations
@@ -30,7 +32,22 @@ if TYPE_CHECKING:
 
 __all__ = ["add_parser", "run", "main"]
 
+_DESCRIPTION = """\
+Run the dedicated parameter-server ranks of a job. The first S ranks (--num-servers S)
+serve: each joins the job (rank, world size, coordinator and token from the
+environment), holds its shard of the parameters, applies the optimizer the workers
+chose, and exits 0 once every worker has said it is done. The other ranks are workers:
+given a command after '--' they replace themselves with it (exec), with
+NETDIST_PS_SERVERS=S set, so one command line starts the whole job. A failed or lost
+worker makes the servers exit 1 with the reason (and tells the other workers).
+"""
+
 _EPILOG = """\
+NETDIST_PS_SERVERS=S   server ranks when --num-servers is not given
+                       (default 2, or fewer in a job too small to keep a worker:
+                       1 in a 2-rank job)
+NETDIST_TIMEOUT=SEC    the default --timeout
+
 examples:
   netdist launch -n 5 -- netdist ps-server --num-servers 2 -- python train.py
       ranks 0-1 serve, ranks 2-4 exec "python train.py"
@@ -43,7 +60,7 @@ examples:
 def _configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-servers", type=int, default=None, metavar="S",
                         help="how many leading ranks serve (default: $NETDIST_PS_SERVERS, "
-                             "else 1)")
+                             "else 2, or 1 in a 2-rank job)")
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="bound on every wait, including a worker's silence between "
                              "requests (default: the transport's timeout, $NETDIST_TIMEOUT)")
@@ -55,8 +72,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     """Register ``ps-server``."""
     parser = subparsers.add_parser(
         "ps-server", help="run the dedicated parameter-server ranks of a job",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=_DESCRIPTION, epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     _configure(parser)
 
 
@@ -73,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     from netdist.ps.state import PS_SERVERS_ENV, num_servers_from_env, ps_roles
 
     config = DistributedConfig.from_env()
-    num_servers = args.num_servers if args.num_servers is not None else num_servers_from_env()
+    num_servers = (args.num_servers if args.num_servers is not None
+                   else num_servers_from_env(world_size=config.world_size))
     roles = ps_roles(config.world_size, num_servers)
     if args.timeout is not None:
         if not args.timeout > 0:
@@ -111,20 +129,19 @@ async def _serve(config: DistributedConfig, num_servers: int) -> ServerReport:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m netdist.cli.ps_server``: the subcommand on its own."""
-    parser = argparse.ArgumentParser(prog="netdist ps-server", epilog=_EPILOG,
+    parser = argparse.ArgumentParser(prog="netdist ps-server", description=_DESCRIPTION,
+                                     epilog=_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _configure(parser)
     args = parser.parse_args(argv)
+    from netdist.cli.main import format_error
     from netdist.errors import NetdistError
 
     try:
         return run(args)
-    except ConfigError as exc:
-        print(f"netdist ps-server: error: {exc}", file=sys.stderr, flush=True)
-        return 2
     except NetdistError as exc:
-        print(f"netdist ps-server: error: {exc}", file=sys.stderr, flush=True)
-        return 1
+        print(format_error("ps-server", exc), file=sys.stderr, flush=True)
+        return 2 if isinstance(exc, ConfigError) else 1
 
 
 if __name__ == "__main__":

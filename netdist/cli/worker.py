@@ -35,7 +35,9 @@ pipeline parallelism (--pipeline-stages P):
   without --checkpoint-dir / --checkpoint-every / --resume (refused with an error).
 
 parameter-server settings come from the environment:
-  NETDIST_PS_SERVERS=S         server ranks for ps-sharded / ps-async (default 2)
+  NETDIST_PS_SERVERS=S         server ranks for ps-sharded / ps-async, which also train
+                               (default 2, or fewer in a job too small to keep a worker:
+                               1 in a 1-rank job)
   NETDIST_PS_MAX_STALENESS=K   ps-async staleness bound, or "none" (default 2)
 
 example (one rank of a 2-rank job, the other started the same way with rank 1):

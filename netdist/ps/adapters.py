@@ -150,7 +150,7 @@ async def demo_update_path(name: str, group: GroupLike | Transport, model: Any,
         return UpdateHooks(server, apply, close=server.aclose)
     if name in ("ps-sharded", "ps-async"):
         world = len(group.ranks) if hasattr(group, "ranks") else group.world_size
-        servers = num_servers_from_env(default=min(2, world))
+        servers = num_servers_from_env(world_size=world, colocated=True)
         staleness = 0 if name == "ps-sharded" else max_staleness_from_env()
         ps = ColocatedPS(group, num_servers=min(servers, world), timeout=timeout)
         data = [p.data for p in params]

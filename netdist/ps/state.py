@@ -59,6 +59,8 @@ __all__ = [
     "StalenessController",
     "PSRoles",
     "ps_roles",
+    "DEFAULT_PS_SERVERS",
+    "default_num_servers",
     "num_servers_from_env",
 ]
 
@@ -68,6 +70,11 @@ DEFAULT_BIGARRAY_BOUND = 1_000_000
 
 PS_SERVERS_ENV = "NETDIST_PS_SERVERS"
 """Environment variable naming how many of a job's ranks (the first ones) are servers."""
+
+DEFAULT_PS_SERVERS = 2
+"""Server ranks when ``NETDIST_PS_SERVERS`` is unset, for every mode (``netdist ps-server``,
+``--aggregator ps-sharded`` / ``ps-async``); fewer only in a job too small to keep a worker
+(``default_num_servers``)."""
 
 
 # -- tensor specifications and placement ------------------------------------------------
@@ -851,13 +858,33 @@ def ps_roles(world_size: int, num_servers: int, *, colocated: bool = False) -> P
     return PSRoles(world_size, num_servers, colocated)
 
 
+def default_num_servers(world_size: int, *, colocated: bool = False) -> int:
+    """``DEFAULT_PS_SERVERS``, or fewer when the job is too small to keep a worker rank.
+
+    Dedicated servers (``colocated=False``) leave at least one rank to work:
+    ``min(2, world_size - 1)``; co-located servers also train: ``min(2, world_size)``.
+    Never below 1 (a 1-rank dedicated job is then refused by ``ps_roles``).
+    """
+    limit = world_size if colocated else world_size - 1
+    return max(1, min(DEFAULT_PS_SERVERS, limit))
+
+
 def num_servers_from_env(environ: Mapping[str, str] | None = None, *,
-                         default: int = 1) -> int:
-    """Read ``NETDIST_PS_SERVERS`` (the number of leading server ranks); ``default`` if unset."""
+                         default: int | None = None, world_size: int | None = None,
+                         colocated: bool = False) -> int:
+    """Read ``NETDIST_PS_SERVERS`` (the number of leading server ranks).
+
+    Unset or empty: ``default`` if given, else ``default_num_servers(world_size,
+    colocated=colocated)`` when the world size is known, else ``DEFAULT_PS_SERVERS``.
+    """
     env = os.environ if environ is None else environ
     text = env.get(PS_SERVERS_ENV, "").strip()
     if not text:
-        return default
+        if default is not None:
+            return default
+        if world_size is not None:
+            return default_num_servers(world_size, colocated=colocated)
+        return DEFAULT_PS_SERVERS
     try:
         value = int(text)
     except ValueError:

@@ -12,7 +12,12 @@ import pytest
 
 import netdist
 from netdist.cli import main as cli_main
-from netdist.errors import ConfigError, PeerLostError
+from netdist.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    PeerLostError,
+    TransportClosedError,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,9 +78,20 @@ def test_config_error_exits_2_with_message_and_no_traceback(
 
 def test_runtime_error_exits_1(fake_command: types.SimpleNamespace,
                                capsys: pytest.CaptureFixture[str]) -> None:
-    fake_command.behaviour = _raiser(PeerLostError(3))
+    fake_command.behaviour = _raiser(CheckpointNotFoundError("no checkpoint in ckpt"))
     assert cli_main.main(["fake-cmd"]) == 1
-    assert capsys.readouterr().err == "netdist fake-cmd: error: lost connection to rank 3\n"
+    assert capsys.readouterr().err == "netdist fake-cmd: error: no checkpoint in ckpt\n"
+
+
+@pytest.mark.parametrize("exc", [PeerLostError(3), TransportClosedError("lost connection to rank 3")])
+def test_lost_peer_is_one_line_named_by_type(exc: Exception, fake_command: types.SimpleNamespace,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # A consequence of another rank's failure: one line (no chained traceback) whose type
+    # lets `netdist launch`'s summary mark it as a consequence.
+    fake_command.behaviour = _raiser(exc)
+    assert cli_main.main(["fake-cmd"]) == 1
+    assert capsys.readouterr().err == (
+        f"netdist fake-cmd: error: {type(exc).__name__}: lost connection to rank 3\n")
 
 
 def test_netdist_debug_adds_the_traceback(fake_command: types.SimpleNamespace,
@@ -87,7 +103,7 @@ def test_netdist_debug_adds_the_traceback(fake_command: types.SimpleNamespace,
     err = capsys.readouterr().err
     assert err.startswith("Traceback (most recent call last):")
     assert "netdist.errors.PeerLostError: lost connection to rank 3" in err
-    assert err.endswith("netdist fake-cmd: error: lost connection to rank 3\n")
+    assert err.endswith("netdist fake-cmd: error: PeerLostError: lost connection to rank 3\n")
 
 
 def test_keyboard_interrupt_exits_130(fake_command: types.SimpleNamespace) -> None:

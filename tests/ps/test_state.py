@@ -369,7 +369,7 @@ def test_roles_and_env() -> None:
         roles.worker_index(1)
     with pytest.raises(ConfigError):
         ps_roles(2, 2)
-    assert num_servers_from_env({}) == 1
+    assert num_servers_from_env({}) == 2  # DEFAULT_PS_SERVERS
     assert num_servers_from_env({"NETDIST_PS_SERVERS": "3"}) == 3
     with pytest.raises(ConfigError):
         num_servers_from_env({"NETDIST_PS_SERVERS": "x"})

@@ -191,3 +191,67 @@ async def test_serving_rank_hook():
     assert server.steps == 0 and server.test_accuracy != server.test_accuracy  # NaN
     assert trainer.steps == 23 and trainer.test_accuracy > 0.2  # chance is 0.1
     assert lines[0].startswith("netdist demo: 1 training ranks (2 in the job)")
+
+
+async def run_job_errors(n: int, config: DemoConfig, lines: list[str]) -> list[BaseException]:
+    """Run every rank to the end; return what each raised (all must raise)."""
+    transports = InProcessTransport.create_group(n, timeout=30.0)
+    results = await asyncio.wait_for(asyncio.gather(
+        *(train_worker(t, config, log=lines.append) for t in transports),
+        return_exceptions=True), timeout=100)
+    assert all(isinstance(r, BaseException) for r in results), results
+    return [r for r in results if isinstance(r, BaseException)]
+
+
+async def test_unusable_checkpoint_dir_fails_on_every_rank_before_the_first_step(tmp_path):
+    lines: list[str] = []
+    errors = await run_job_errors(2, DemoConfig(epochs=1, checkpoint_dir="/proc/nope"), lines)
+    assert [type(e) for e in errors] == [ConfigError, ConfigError]
+    assert {str(e) for e in errors} == {
+        "checkpoint directory unusable on ranks 0, 1: cannot create /proc/nope: "
+        "No such file or directory"}
+    assert lines == []  # not a single step, not even the header
+
+
+async def test_one_rank_that_cannot_write_is_named_on_every_rank(tmp_path, monkeypatch):
+    # Ranks on different hosts may see different file systems: only rank 1 fails here,
+    # and rank 0 is told instead of waiting for it at the first save.
+    import netdist.train.demo as demo
+
+    real = demo.checkpoint_dir_problem
+
+    def probe(directory, *, tag=""):
+        if tag == "-rank1":
+            return f"cannot write to {directory}: Read-only file system"
+        return real(directory, tag=tag)
+
+    monkeypatch.setattr(demo, "checkpoint_dir_problem", probe)
+    ckpt = tmp_path / "ckpt"
+    lines: list[str] = []
+    errors = await run_job_errors(2, DemoConfig(epochs=1, checkpoint_dir=str(ckpt)), lines)
+    assert [str(e) for e in errors] == [
+        f"checkpoint directory unusable on rank 1: cannot write to {ckpt}: "
+        "Read-only file system"] * 2
+    assert lines == []
+    assert list(ckpt.iterdir()) == []  # rank 0's probe file is gone
+
+
+async def test_resume_with_another_model_names_every_parameter_and_shape(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    await run_job(2, DemoConfig(epochs=1, batch_size=256, checkpoint_dir=str(ckpt)))
+    lines: list[str] = []
+    errors = await run_job_errors(
+        2, DemoConfig(epochs=2, batch_size=256, hidden=(32,), checkpoint_dir=str(ckpt),
+                      resume=True), lines)
+    assert [type(e) for e in errors] == [ConfigError, ConfigError]
+    assert {str(e) for e in errors} == {
+        f"cannot resume from {ckpt} (step 3): the checkpoint holds another model: "
+        "0.weight is (128, 64) in the checkpoint but (32, 64) in this model; "
+        "0.bias is (128,) in the checkpoint but (32,) in this model; "
+        "2.weight is (64, 128) in the checkpoint but (10, 32) in this model; "
+        "2.bias is (64,) in the checkpoint but (10,) in this model; "
+        "4.weight (10, 64) is in the checkpoint but not in this model; "
+        "4.bias (10,) is in the checkpoint but not in this model "
+        "(written with --hidden 128,64, this run has --hidden 32; resume with the same "
+        "--hidden or use another --checkpoint-dir)"}
+    assert not [line for line in lines if line.startswith("epoch")]
