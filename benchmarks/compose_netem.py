@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.docker.cluster import (  # noqa: E402  (the path is set just above)
     EPOCH_RE,
+    RANK0,
     WORKERS,
     Cluster,
     build_images,
@@ -69,7 +70,7 @@ def run_one(netem: str, aggregator: str, args: argparse.Namespace) -> dict[str, 
     try:
         cluster.up()
         exits = cluster.wait_exit(WORKERS, args.run_timeout)
-        log = cluster.logs("rank0")
+        log = cluster.logs(RANK0)
         failed = {s: e.code for s, e in exits.items() if e.code != 0}
         if failed:
             raise RuntimeError(f"{aggregator} under '{netem}': containers failed {failed}\n"

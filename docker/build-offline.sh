@@ -197,7 +197,7 @@ build_image() {
     # build arguments. Plain `docker build` when no compose is installed.
     (cd "$repo" && NETDIST_BASE_IMAGE="$base_tag" NETDIST_WHEELHOUSE=wheelhouse \
         NETDIST_IMAGE="$image_tag" NETDIST_TOKEN="${NETDIST_TOKEN:-build}" \
-        compose -f docker-compose.yml -p netdist-build build rank0) >"$buildlog" 2>&1 || status=$?
+        compose -f docker-compose.yml -p netdist-build build worker-0) >"$buildlog" 2>&1 || status=$?
     if [ "$status" = 127 ]; then
         (cd "$repo" && docker build --build-arg BASE_IMAGE="$base_tag" \
             --build-arg WHEELHOUSE=wheelhouse -f docker/Dockerfile -t "$image_tag" .) \

@@ -6,11 +6,14 @@
 # Configuration is environment only:
 #
 #   NETDIST_ROLE            worker | server          (set per service)
-#   NETDIST_INDEX           index among the workers (rank0 is worker 0) or the servers
+#   NETDIST_INDEX           index among the workers (service worker-I) or the servers
+#                           (service ps-server-I)
 #   NETDIST_WORKERS         number of worker containers started (default 4)
 #   NETDIST_PS_SERVERS      number of parameter-server containers (default 0; 2 when
 #                           COMPOSE_PROFILES contains "ps"). Servers are ranks 0..S-1
-#                           (ps0 hosts the coordinator); workers are ranks S..S+W-1.
+#                           (ps-server-0 hosts the coordinator); worker-I is rank S+I.
+#                           Service names say role and index, never a rank: this
+#                           script logs the rank each container got.
 #                           With servers the aggregator is ps-sharded (or ps-async, bounded
 #                           by NETDIST_PS_MAX_STALENESS); the demo's servers also train.
 #   NETDIST_RANK, NETDIST_WORLD_SIZE, NETDIST_COORDINATOR
@@ -22,7 +25,9 @@
 #   NETDIST_CHECKPOINT_DIR  default /checkpoints/$NETDIST_JOB_ID (the shared volume);
 #                           "none" disables checkpointing
 #   NETDIST_CHECKPOINT_EVERY  save every K steps (default 12); the job always resumes
-#                           from the latest complete checkpoint there (--resume)
+#                           from the latest complete checkpoint there (--resume); a job
+#                           whose checkpoint already completes NETDIST_EPOCHS trains
+#                           nothing and says so
 #   NETDIST_WORKER_ARGS     extra `netdist worker` flags, split on spaces
 #
 # Arguments given to this script are appended to the `netdist worker` command line.
@@ -61,7 +66,7 @@ case "$role" in
 esac
 
 if [ "$servers" -ge 1 ]; then
-    coordinator_host=ps0
+    coordinator_host=ps-server-0
     aggregator=${NETDIST_AGGREGATOR:-ps-sharded}
     case "$aggregator" in
         ps-sharded|ps-async) ;;
@@ -69,7 +74,7 @@ if [ "$servers" -ge 1 ]; then
                "with servers use ps-sharded or ps-async" ;;
     esac
 else
-    coordinator_host=rank0
+    coordinator_host=worker-0
     aggregator=${NETDIST_AGGREGATOR:-ring}
 fi
 

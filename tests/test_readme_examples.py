@@ -8,11 +8,18 @@ Convention (stated in the README's "Examples in this README" note):
   -- python NAME.py``, ...); without it the block runs as ``python NAME.py``;
 - a ``text`` block that follows immediately (nothing but blank lines between) is the
   expected output: compared exactly for a plain ``python NAME.py``, and as a sorted list
-  of lines for a launched job (ranks print concurrently, so their order varies).
+  of lines for a launched job (ranks print concurrently, so their order varies);
+- a ``console`` block is a shell session: ``$ COMMAND`` lines (``netdist`` or ``python``)
+  each followed by exactly what the command prints; it runs in the directory the examples
+  above it ran in.
 
 Each example runs in its own temporary directory with ``netdist`` and ``python`` in the
 command replaced by this interpreter, with a bounded timeout. Multi-process examples are
-marked ``slow``.
+marked ``slow``. Then the whole README runs twice, in order, in one directory, as a user
+who copies every example into one folder would: examples and ``console`` commands, every
+output checked both times. An example may create only a directory named after itself
+(``ckpt_job.py`` writes ``ckpt_job/``), so examples cannot step on each other's files and
+each one runs again on what its first run left behind (issue 12, item 17).
 """
 
 from __future__ import annotations
@@ -48,16 +55,47 @@ class Example:
         return len(self.command) > 1 and self.command[:2] == ("netdist", "launch")
 
 
-def _examples() -> list[Example]:
+@dataclass(frozen=True, slots=True)
+class ConsoleCommand:
+    """One ``$ COMMAND`` of a ``console`` block and the lines printed under it."""
+
+    command: tuple[str, ...]
+    expected: str
+    line: int
+
+
+def _console_commands(body: str, line_no: int) -> list[ConsoleCommand]:
+    commands: list[ConsoleCommand] = []
+    for offset, line in enumerate(body.splitlines(), start=line_no + 1):
+        if line.startswith("$ "):
+            command = tuple(shlex.split(line[2:]))
+            if not command or command[0] not in ("netdist", "python"):
+                raise AssertionError(f"README.md line {offset}: a console command must start "
+                                     f"with netdist or python, got {line!r}")
+            commands.append(ConsoleCommand(command, "", offset))
+        elif not commands:
+            raise AssertionError(f"README.md line {offset}: a console block must start "
+                                 f"with '$ COMMAND', got {line!r}")
+        else:
+            last = commands[-1]
+            commands[-1] = ConsoleCommand(last.command, last.expected + line + "\n", last.line)
+    return commands
+
+
+def _readme_items() -> list[Example | ConsoleCommand]:
+    """The README's examples and console commands, in the order they appear."""
     text = README.read_text(encoding="utf-8")
     blocks = list(_FENCE.finditer(text))
-    examples: list[Example] = []
+    items: list[Example | ConsoleCommand] = []
     for index, block in enumerate(blocks):
+        body = block.group(2)
+        line_no = text.count("\n", 0, block.start()) + 1
+        if block.group(1) == "console":
+            items += _console_commands(body, line_no)
+            continue
         if block.group(1) != "python":
             continue
-        body = block.group(2)
         lines = body.splitlines()
-        line_no = text.count("\n", 0, block.start()) + 1
         match = _NAME.match(lines[0]) if lines else None
         if match is None:
             raise AssertionError(f"README.md line {line_no}: a python block must start with "
@@ -75,15 +113,17 @@ def _examples() -> list[Example]:
         if (following is not None and following.group(1) == "text"
                 and not text[block.end():following.start()].strip()):
             expected = following.group(2)
-        examples.append(Example(name, body, command, expected, line_no))
-    names = [e.name for e in examples]
+        items.append(Example(name, body, command, expected, line_no))
+    names = [i.name for i in items if isinstance(i, Example)]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise AssertionError(f"README examples share file names: {duplicates}")
-    return examples
+    return items
 
 
-EXAMPLES = _examples()
+README_ITEMS = _readme_items()
+EXAMPLES = [item for item in README_ITEMS if isinstance(item, Example)]
+CONSOLE = [item for item in README_ITEMS if isinstance(item, ConsoleCommand)]
 
 
 def _argv(command: tuple[str, ...]) -> list[str]:
@@ -114,9 +154,31 @@ def test_readme_has_examples() -> None:
     names = {e.name for e in EXAMPLES}
     assert len(EXAMPLES) >= 8
     assert {"allreduce.py", "collectives.py", "dp_train.py", "ckpt_job.py", "fsdp_train.py",
-            "pipe.py"} <= names
+            "pipe.py", "reshard_demo.py"} <= names
     assert all(e.expected is not None for e in EXAMPLES), \
         [e.name for e in EXAMPLES if e.expected is None]
+    # the inspect output the README shows is checked against the real command
+    assert ("netdist", "ckpt", "inspect", "ckpt_job") in {c.command for c in CONSOLE}
+
+
+def _run(command: tuple[str, ...], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_argv(command), cwd=cwd, env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+def _check_output(item: Example | ConsoleCommand, result: subprocess.CompletedProcess[str],
+                  when: str = "") -> None:
+    """The run exited 0 and printed what the README shows (sorted lines for a launch)."""
+    where = f"README.md line {item.line}: {' '.join(item.command)}{when}"
+    assert result.returncode == 0, (
+        f"{where} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
+    if item.expected is None:
+        return
+    got = result.stdout.rstrip("\n").splitlines()
+    want = item.expected.rstrip("\n").splitlines()
+    if isinstance(item, Example) and item.launched:
+        got, want = sorted(got), sorted(want)
+    assert got == want, f"{where} printed something else\nstderr:\n{result.stderr}"
 
 
 @pytest.mark.parametrize("example", [
@@ -125,15 +187,25 @@ def test_readme_has_examples() -> None:
 ])
 def test_readme_example_runs(example: Example, tmp_path: Path) -> None:
     (tmp_path / example.name).write_text(example.code, encoding="utf-8")
-    result = subprocess.run(_argv(example.command), cwd=tmp_path, env=_env(),
-                            capture_output=True, text=True, timeout=TIMEOUT)
-    where = f"README.md line {example.line}: {' '.join(example.command)}"
-    assert result.returncode == 0, (
-        f"{where} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
-    if example.expected is None:
-        return
-    got = result.stdout.rstrip("\n").splitlines()
-    want = example.expected.rstrip("\n").splitlines()
-    if example.launched:
-        got, want = sorted(got), sorted(want)
-    assert got == want, f"{where} printed something else\nstderr:\n{result.stderr}"
+    _check_output(example, _run(example.command, tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_readme_runs_twice_in_order_in_one_directory(tmp_path: Path) -> None:
+    """A user copies every example into one folder and runs the README top to bottom,
+    then once more: every example and console command prints what the README shows both
+    times, and each example creates nothing but the directory named after it."""
+    for example in EXAMPLES:
+        (tmp_path / example.name).write_text(example.code, encoding="utf-8")
+    for run in ("first", "second"):
+        when = f" (README run in order, {run} time)"
+        for item in README_ITEMS:
+            before = set(os.listdir(tmp_path))
+            result = _run(item.command, tmp_path)
+            _check_output(item, result, when)
+            created = set(os.listdir(tmp_path)) - before
+            allowed = {Path(item.name).stem} if isinstance(item, Example) else set()
+            assert created <= allowed, (
+                f"README.md line {item.line}: {' '.join(item.command)} created {sorted(created)}"
+                f"{when}; an example may create only the directory named after it")

@@ -1,8 +1,9 @@
 """Drive the docker-compose cluster from tests and benchmarks: one compose project each.
 
 Everything here is bounded: every ``docker`` / compose call has a subprocess timeout,
-waiting for a container to exit uses ``docker wait`` under a timeout, and waiting for a
-log line follows the log stream (``docker logs --follow``) until a deadline. Nothing
+waiting for a container to exit uses ``docker wait`` under a timeout, waiting for a
+log line follows the log stream (``docker logs --follow``) until a deadline, and waiting
+for a server watches its listening socket appear (``ss`` in its container). Nothing
 sleeps to synchronise.
 
 Works with ``docker compose`` (v2) and ``docker-compose`` 1.29: containers, networks and
@@ -16,6 +17,7 @@ import os
 import re
 import select
 import shutil
+import signal
 import subprocess
 import time
 import uuid
@@ -27,7 +29,15 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 IMAGE = os.environ.get("NETDIST_IMAGE", "netdist:local")
 BASE_IMAGE = os.environ.get("NETDIST_BASE_IMAGE", "netdist-base:local")
-WORKERS = ("rank0", "worker1", "worker2", "worker3")
+# Service names say role and index; the rank is what docker/node.sh logs. Without the ps
+# profile worker-I is rank I; with it the servers are ranks 0-1 and worker-I is rank 2+I.
+WORKERS = ("worker-0", "worker-1", "worker-2", "worker-3")
+SERVERS = ("ps-server-0", "ps-server-1")
+RANK0 = WORKERS[0]    # the default profile's rank 0, which hosts the coordinator
+COORDINATOR_PORT = 29400
+UP_SCRIPT = REPO / "docker" / "up.sh"
+NODE_RE = re.compile(r"^netdist-node: (\S+) is rank (\d+) of (\d+) \((worker|server) (\d+)\)",
+                     re.M)
 
 ACCURACY_RE = re.compile(r"final test accuracy: ([0-9.]+)%")
 EPOCH_RE = re.compile(r"^epoch\s+(\d+)/(\d+)\s+step\s+(\d+)/(\d+)\s+loss\s+([0-9.]+)", re.M)
@@ -90,6 +100,41 @@ def build_images(timeout: float = 1800.0) -> None:
     if result.returncode != 0:
         raise RuntimeError(f"docker/build-offline.sh failed ({result.returncode}):\n"
                            f"{result.stdout}{result.stderr}")
+
+
+def wait_for_listener(container: str, port: int, timeout: float, *, what: str = "") -> None:
+    """Wait (at most ``timeout`` s) until a socket in ``container`` listens on ``port``:
+    from then on connections to it are accepted.
+
+    Watched from inside the container (``ss -Htln``, iproute2 is in the image) rather than
+    by connecting: a probe connection would itself be a stranger that netdist's
+    coordinator logs and drops. Each probe is a ``docker exec`` (tens of milliseconds or
+    more), so the poll paces itself. Raises ``TimeoutError`` (with the container's log)
+    when the port does not open in time or the container stops first.
+    """
+    what = what or container[:12]
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            probe = docker("exec", container, "ss", "-Htln", f"sport = :{port}",
+                           timeout=remaining, check=False)
+        except subprocess.TimeoutExpired:
+            break
+        last = (probe.stdout + probe.stderr).strip()
+        if probe.returncode == 0 and probe.stdout.strip():
+            return
+        state = docker("inspect", "--format", "{{.State.Running}}", container,
+                       check=False).stdout.strip()
+        if state != "true":
+            break
+    log = subprocess.run(["docker", "logs", container], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=60).stdout
+    raise TimeoutError(f"{what}: nothing listens on port {port} within {timeout:g} s "
+                       f"(last probe: {last!r}); log:\n{log[-4000:]}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +367,20 @@ class Cluster:
                 proc.stdout.close()
         return buffer.decode("utf-8", "replace"), None
 
+    def wait_for_listener(self, service: str, port: int, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until ``service``'s container listens on ``port``
+        (see :func:`wait_for_listener`)."""
+        wait_for_listener(self.container(service), port, timeout, what=service)
+
+    def run_job(self, *args: str, env: Mapping[str, str] | None = None) -> JobRun:
+        """Start ``docker/up.sh ARGS`` (the README's command) on this project."""
+        merged = dict(self.env, COMPOSE_PROJECT_NAME=self.project,
+                      NETDIST_COMPOSE=" ".join(self.compose))
+        merged.update(env or {})
+        return JobRun(subprocess.Popen([str(UP_SCRIPT), *args], cwd=REPO, env=merged,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       start_new_session=True))
+
     def kill(self, *services: str) -> None:
         """SIGKILL the services' containers, all in one ``docker kill``."""
         docker("kill", *(self.container(s) for s in services), timeout=60)
@@ -368,6 +427,62 @@ class Cluster:
                 return json.loads(line[len("CKPT-JSON "):])
         raise RuntimeError(f"checkpoint tool failed ({result.returncode}):\n"
                            f"{result.stdout}{result.stderr}")
+
+
+class JobRun:
+    """A running ``docker/up.sh``: its output (stdout and stderr together) read as it
+    comes, every wait bounded."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self._data = b""
+
+    @property
+    def output(self) -> str:
+        return self._data.decode("utf-8", "replace")
+
+    def wait_for(self, pattern: str | re.Pattern[str], timeout: float) -> re.Match[str]:
+        """Read the output until a line matches ``pattern``, at most ``timeout`` s;
+        ``TimeoutError`` (with the output) when it does not, or the script ends first."""
+        regex = re.compile(pattern) if isinstance(pattern, str) else pattern
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while True:
+            match = regex.search(self.output)
+            if match:
+                return match
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                break
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break  # the script ended
+            self._data += chunk
+        raise TimeoutError(f"docker/up.sh printed no line matching {regex.pattern!r} within "
+                           f"{timeout:g} s; output:\n{self.output[-4000:]}")
+
+    def finish(self, timeout: float) -> int:
+        """Wait (at most ``timeout`` s) for the script to end; its exit code."""
+        try:
+            rest, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            rest, _ = self.proc.communicate(timeout=30)
+            self._data += rest or b""
+            raise TimeoutError(f"docker/up.sh still running after {timeout:g} s; output:\n"
+                               f"{self.output[-4000:]}") from None
+        self._data += rest or b""
+        return self.proc.returncode
+
+    def close(self) -> None:
+        """Kill the script and its children (log followers, ``docker wait``) if it still
+        runs; the containers are the cluster's to remove."""
+        if self.proc.stdout is None or self.proc.stdout.closed:
+            return  # finish() read it to the end
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: see run_job
+        self.proc.communicate(timeout=30)
 
 
 def accuracy(log: str) -> float:

@@ -1,8 +1,9 @@
 """The docker-compose cluster (issue 8): real containers on a private bridge network.
 
 Each test runs its own compose project (``-p``) and removes it, volume included, in a
-``finally``. Every wait is bounded (``docker wait`` / ``docker logs --follow`` under
-deadlines). The job is small so the whole file takes a few minutes on 2 cores:
+``finally``. Every wait is bounded (``docker wait``, ``docker logs --follow``, a server's
+listening socket watched with ``ss``, all under deadlines), and nothing connects to a
+server before it listens (issue 12, item 20). The job is small so the whole file takes a few minutes on 2 cores:
 6 epochs of batch 16 per rank (23 steps per epoch with 4 workers, 138 steps).
 """
 
@@ -17,9 +18,13 @@ import pytest
 
 from tests.docker.cluster import (
     CHECKPOINT_RE,
+    COORDINATOR_PORT,
     IMAGE,
+    NODE_RE,
+    RANK0,
     REPO,
     RESUMED_RE,
+    SERVERS,
     WORKERS,
     Cluster,
     accuracy,
@@ -27,6 +32,7 @@ from tests.docker.cluster import (
     epoch_losses,
     exit_codes,
     services_logs,
+    wait_for_listener,
 )
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(600),
@@ -60,7 +66,7 @@ def reference(netdist_image: str) -> dict:
 
 def test_happy_path_trains_to_95_percent_and_every_container_exits_0(reference: dict) -> None:
     codes = exit_codes(reference["exits"])
-    log = reference["logs"]["rank0"]
+    log = reference["logs"][RANK0]
     assert reference["services"] == sorted(WORKERS)  # the ps profile's servers stay off
     assert codes == {s: 0 for s in WORKERS}, "\n".join(reference["logs"].values())
     assert "no checkpoint in /checkpoints/test; starting from scratch" in log
@@ -79,43 +85,48 @@ def test_happy_path_trains_to_95_percent_and_every_container_exits_0(reference: 
     assert ckpt["load_error"] is None and ckpt["tensors"], ckpt
     for service in WORKERS[1:]:  # only rank 0 reports
         assert "final test accuracy" not in reference["logs"][service]
+    # without the ps profile worker-I is rank I (the names say role and index)
+    for index, service in enumerate(WORKERS):
+        node = NODE_RE.search(reference["logs"][service])
+        assert node and node.groups() == (service, str(index), "4", "worker", str(index)), \
+            reference["logs"][service]
 
 
 def test_node_loss_stops_everyone_then_resumes_on_the_same_trajectory(reference: dict) -> None:
     cluster = Cluster("loss", TRAIN)
     try:
         cluster.up()
-        cluster.wait_for_log("rank0", CHECKPOINT_RE, RUN_TIMEOUT)
+        cluster.wait_for_log(RANK0, CHECKPOINT_RE, RUN_TIMEOUT)
         killed_at = time.monotonic()
-        cluster.kill("worker2")
-        survivors = ("rank0", "worker1", "worker3")
+        cluster.kill("worker-2")
+        survivors = (RANK0, "worker-1", "worker-3")
         exits = cluster.wait_exit(survivors, TIMEOUT + MARGIN)
         stopped_after = time.monotonic() - killed_at
         first = {s: cluster.logs(s) for s in survivors}
-        assert "final test accuracy" not in first["rank0"], "the kill landed after training"
+        assert "final test accuracy" not in first[RANK0], "the kill landed after training"
         for service in survivors:
             assert exits[service].code != 0, first[service]
             errors = _error_lines(first[service])
             assert errors and re.search(r"\brank 2\b", errors[-1]), (service, first[service])
             assert "Traceback" not in first[service], first[service]
         assert stopped_after <= TIMEOUT + MARGIN
-        saved = max(int(s) for s in CHECKPOINT_RE.findall(first["rank0"]))
+        saved = max(int(s) for s in CHECKPOINT_RE.findall(first[RANK0]))
 
         cluster.mark(*WORKERS)
         cluster.up()
         exits = cluster.wait_exit(WORKERS, RUN_TIMEOUT)
-        log = cluster.logs("rank0", since_mark=True)
+        log = cluster.logs(RANK0, since_mark=True)
         assert exit_codes(exits) == {s: 0 for s in WORKERS}, services_logs(cluster, WORKERS)
         resumed = RESUMED_RE.search(log)
         assert resumed and int(resumed.group(1)) == saved, log
         # the same trajectory as the uninterrupted run from the resumed step on: every
         # epoch's loss after it, the final accuracy and the final parameters, bit for bit
-        reference_losses = epoch_losses(reference["logs"]["rank0"])
+        reference_losses = epoch_losses(reference["logs"][RANK0])
         losses = epoch_losses(log)
         after = [e for e in reference_losses if e > saved // STEPS_PER_EPOCH]
         assert after and {e: losses.get(e) for e in after} == {
-            e: reference_losses[e] for e in after}, (log, reference["logs"]["rank0"])
-        assert accuracy(log) == accuracy(reference["logs"]["rank0"])
+            e: reference_losses[e] for e in after}, (log, reference["logs"][RANK0])
+        assert accuracy(log) == accuracy(reference["logs"][RANK0])
         ckpt = cluster.checkpoints()
         assert ckpt["latest"] == reference["ckpt"]["latest"]
         assert ckpt["tensors"] == reference["ckpt"]["tensors"]
@@ -127,9 +138,9 @@ def test_partition_times_out_cleanly_on_every_rank() -> None:
     cluster = Cluster("part", TRAIN)
     try:
         cluster.up()
-        cluster.wait_for_log("rank0", r"^epoch\s+1/", RUN_TIMEOUT)
+        cluster.wait_for_log(RANK0, r"^epoch\s+1/", RUN_TIMEOUT)
         cut_at = time.monotonic()
-        docker("network", "disconnect", cluster.network, cluster.container("worker2"))
+        docker("network", "disconnect", cluster.network, cluster.container("worker-2"))
         exits = cluster.wait_exit(WORKERS, TIMEOUT + MARGIN)
         stopped_after = time.monotonic() - cut_at
         logs = {s: cluster.logs(s) for s in WORKERS}
@@ -138,9 +149,9 @@ def test_partition_times_out_cleanly_on_every_rank() -> None:
             assert exits[service].code == 1, (service, logs[service])  # a NetdistError
             assert _error_lines(logs[service]), logs[service]
             assert "Traceback" not in logs[service], logs[service]
-        assert "final test accuracy" not in logs["rank0"]
+        assert "final test accuracy" not in logs[RANK0]
         # the cut-off rank knows it lost everybody, the others name it or time out
-        assert re.search(r"time|lost|rank", _error_lines(logs["worker2"])[-1])
+        assert re.search(r"time|lost|rank", _error_lines(logs["worker-2"])[-1])
     finally:
         cluster.down()
 
@@ -170,7 +181,7 @@ def test_kill_during_checkpoint_save_keeps_the_previous_checkpoint() -> None:
     helper = ""
     try:
         cluster.up()
-        cluster.wait_for_log("rank0", CHECKPOINT_RE, RUN_TIMEOUT,
+        cluster.wait_for_log(RANK0, CHECKPOINT_RE, RUN_TIMEOUT,
                              accept=lambda m: int(m.group(1)) >= 5)
         helper = docker("run", "-d", "--rm", "--network", "none",
                         "-v", f"{cluster.volume}:/checkpoints", "--entrypoint", "sleep",
@@ -201,7 +212,7 @@ def test_kill_during_checkpoint_save_keeps_the_previous_checkpoint() -> None:
         cluster.mark(*WORKERS)
         cluster.up()
         exits = cluster.wait_exit(WORKERS, RUN_TIMEOUT)
-        log = cluster.logs("rank0", since_mark=True)
+        log = cluster.logs(RANK0, since_mark=True)
         assert exit_codes(exits) == {s: 0 for s in WORKERS}, services_logs(cluster, WORKERS)
         resumed = RESUMED_RE.search(log)
         assert resumed and int(resumed.group(1)) == latest, log
@@ -220,13 +231,13 @@ def test_scale_change_reshards_on_resume() -> None:
         cluster.up()
         exits = cluster.wait_exit(WORKERS, RUN_TIMEOUT)
         assert exit_codes(exits) == {s: 0 for s in WORKERS}, services_logs(cluster, WORKERS)
-        saved = max(int(s) for s in CHECKPOINT_RE.findall(cluster.logs("rank0")))
+        saved = max(int(s) for s in CHECKPOINT_RE.findall(cluster.logs(RANK0)))
         assert saved == 2 * STEPS_PER_EPOCH
 
         three = WORKERS[:3]
         cluster.up(*three, env={"NETDIST_WORKERS": "3", "NETDIST_EPOCHS": "4"})
         exits = cluster.wait_exit(three, RUN_TIMEOUT)
-        log = cluster.logs("rank0")
+        log = cluster.logs(RANK0)
         assert exit_codes(exits) == {s: 0 for s in three}, services_logs(cluster, three)
         assert "3 training ranks" in log, log
         resumed = RESUMED_RE.search(log)
@@ -237,7 +248,7 @@ def test_scale_change_reshards_on_resume() -> None:
 
         cluster.up(*WORKERS, env={"NETDIST_EPOCHS": "6"})
         exits = cluster.wait_exit(WORKERS, RUN_TIMEOUT)
-        log = cluster.logs("rank0")
+        log = cluster.logs(RANK0)
         assert exit_codes(exits) == {s: 0 for s in WORKERS}, services_logs(cluster, WORKERS)
         resumed = RESUMED_RE.search(log)
         assert resumed and int(resumed.group(1)) == saved3, log
@@ -255,21 +266,21 @@ def test_restart_policy_resumes_the_job_after_a_crash(reference: dict) -> None:
     cluster = Cluster("restart", {**TRAIN, "NETDIST_RESTART": "on-failure:5"})
     try:
         cluster.up()
-        cluster.wait_for_log("rank0", CHECKPOINT_RE, RUN_TIMEOUT)
+        cluster.wait_for_log(RANK0, CHECKPOINT_RE, RUN_TIMEOUT)
         cluster.mark(*WORKERS)
-        crash = cluster.exec("worker2", "kill", "-INT", "1")  # KeyboardInterrupt: exit 130
+        crash = cluster.exec("worker-2", "kill", "-INT", "1")  # KeyboardInterrupt: exit 130
         assert crash.returncode == 0, crash.stderr
         try:
-            resumed = cluster.wait_for_log("rank0", RESUMED_RE, RUN_TIMEOUT, since_mark=True)
+            resumed = cluster.wait_for_log(RANK0, RESUMED_RE, RUN_TIMEOUT, since_mark=True)
             exits = cluster.wait_exit(WORKERS, RUN_TIMEOUT)
         except TimeoutError as exc:
             raise AssertionError(f"{exc}\n{services_logs(cluster, WORKERS)}") from None
         assert exit_codes(exits) == {s: 0 for s in WORKERS}, services_logs(cluster, WORKERS)
-        assert cluster.restart_count("worker2") >= 1
-        assert cluster.restart_count("rank0") >= 1
-        log = cluster.logs("rank0", since_mark=True)
+        assert cluster.restart_count("worker-2") >= 1
+        assert cluster.restart_count(RANK0) >= 1
+        log = cluster.logs(RANK0, since_mark=True)
         assert int(resumed.group(1)) >= STEPS_PER_EPOCH
-        assert accuracy(log) == accuracy(reference["logs"]["rank0"])
+        assert accuracy(log) == accuracy(reference["logs"][RANK0])
         assert cluster.checkpoints()["tensors"] == reference["ckpt"]["tensors"]
     finally:
         cluster.down()
@@ -295,14 +306,13 @@ def test_a_container_without_the_token_cannot_join_or_disturb() -> None:
     cluster = Cluster("stranger", {**TRAIN, "NETDIST_EPOCHS": "40",
                                    "NETDIST_CHECKPOINT_DIR": "none"})
     stranger_env = {"NETDIST_RANK": "1", "NETDIST_WORLD_SIZE": "4",
-                    "NETDIST_COORDINATOR": "rank0:29400", "NETDIST_JOB_ID": "test",
-                    "NETDIST_TIMEOUT": "10"}
+                    "NETDIST_COORDINATOR": f"{RANK0}:{COORDINATOR_PORT}",
+                    "NETDIST_JOB_ID": "test", "NETDIST_TIMEOUT": "10"}
     try:
-        cluster.up("rank0")
-        cluster.wait_for_log("rank0", r"netdist-node: rank0 is rank 0", 120)
-        # garbage at the coordinator, then a rank with the wrong token, then one with none
-        junk = cluster.run_in_network("python3", "-c", _JUNK, "rank0", "29400")
-        assert junk.returncode == 0, junk.stdout + junk.stderr
+        cluster.up(RANK0)
+        # the coordinator accepting connections, not a log line printed before it listens
+        cluster.wait_for_listener(RANK0, COORDINATOR_PORT, 120)
+        # a rank with the wrong token, then one with none, then garbage at the coordinator
         for token in ("not-the-token", None):
             env = dict(stranger_env, **({"NETDIST_TOKEN": token} if token else {}))
             started = time.monotonic()
@@ -310,52 +320,81 @@ def test_a_container_without_the_token_cannot_join_or_disturb() -> None:
             assert stranger.returncode == 1, stranger.stdout + stranger.stderr
             assert re.search(r"authentication failed", stranger.stderr), stranger.stderr
             assert time.monotonic() - started < 30.0  # refused, not timed out
-        assert "authentication failed" in cluster.logs("rank0")  # the coordinator says so too
+        # the coordinator says so too (a burst of refusals is logged once in full, then
+        # counted: the wrong token goes first so that it is the one logged in full)
+        assert "authentication failed" in cluster.logs(RANK0)
+        junk = cluster.run_in_network("python3", "-c", _JUNK, RANK0, str(COORDINATOR_PORT))
+        assert junk.returncode == 0, junk.stdout + junk.stderr
 
-        cluster.up("worker1", "worker2", "worker3")
-        cluster.wait_for_log("rank0", r"^epoch\s+1/", RUN_TIMEOUT)
+        cluster.up(*WORKERS[1:])
+        cluster.wait_for_log(RANK0, r"^epoch\s+1/", RUN_TIMEOUT)
         # mid-training: junk and a wrong-token handshake at rank 0's peer listener
-        listening = cluster.exec("rank0", "ss", "-Htln").stdout
+        listening = cluster.exec(RANK0, "ss", "-Htln").stdout
         # (Docker's embedded DNS also listens, on 127.0.0.11: not ours)
         ports = sorted({int(local.rsplit(":", 1)[1]) for local in
                         (line.split()[3] for line in listening.splitlines() if line.strip())
-                        if not local.startswith("127.")} - {29400})
+                        if not local.startswith("127.")} - {COORDINATOR_PORT})
         assert ports, f"rank 0 listens on no peer port during training:\n{listening}"
         for port in ports:
-            junk = cluster.run_in_network("python3", "-c", _JUNK, "rank0", str(port))
+            junk = cluster.run_in_network("python3", "-c", _JUNK, RANK0, str(port))
             assert junk.returncode == 0, junk.stdout + junk.stderr
             attack = cluster.run_in_network(
                 "netdist", "worker", "--epochs", "1",
-                env={**stranger_env, "NETDIST_COORDINATOR": f"rank0:{port}",
+                env={**stranger_env, "NETDIST_COORDINATOR": f"{RANK0}:{port}",
                      "NETDIST_TOKEN": "not-the-token"})
             assert attack.returncode == 1, attack.stdout + attack.stderr
             assert re.search(r"authentication failed|refused|rejected", attack.stderr), attack.stderr
-        assert cluster.running("rank0"), "training ended before the attacks: lengthen the job"
+        assert cluster.running(RANK0), "training ended before the attacks: lengthen the job"
 
         exits = cluster.wait_exit(WORKERS, RUN_TIMEOUT)
-        log = cluster.logs("rank0")
+        log = cluster.logs(RANK0)
         assert exit_codes(exits) == {s: 0 for s in WORKERS}, services_logs(cluster, WORKERS)
         assert accuracy(log) >= 95.0, log
     finally:
         cluster.down()
 
 
+def _names_and_ranks(cluster: Cluster, services: tuple[str, ...]) -> dict[str, tuple]:
+    """``{service: (container name, hostname, what netdist-node logged)}``."""
+    found = {}
+    for service in services:
+        cid = cluster.container(service)
+        name, hostname = docker("inspect", "--format", "{{.Name}} {{.Config.Hostname}}",
+                                cid).stdout.split()
+        node = NODE_RE.search(cluster.logs(service))
+        found[service] = (name.lstrip("/"), hostname,
+                          node.group(1, 2, 3, 4, 5) if node else cluster.logs(service))
+    return found
+
+
 def test_ps_profile_trains_with_parameter_servers() -> None:
-    """COMPOSE_PROFILES=ps: ps0 and ps1 hold the parameter shards (ranks 0-1, ps0 hosts
-    the coordinator), the four workers are ranks 2-5."""
-    services = ("ps0", "ps1", *WORKERS)
+    """COMPOSE_PROFILES=ps with the README's command (docker/up.sh): ps-server-0 and
+    ps-server-1 hold the parameter shards (ranks 0-1, ps-server-0 hosts the coordinator),
+    worker-0..worker-3 are ranks 2-5. Every container is named after its role and index
+    (no container called rank0 that is rank 2), and each one's log says its rank."""
+    services = (*SERVERS, *WORKERS)
     cluster = Cluster("ps", {**TRAIN, "COMPOSE_PROFILES": "ps"})
+    job = cluster.run_job("--no-build")
     try:
-        cluster.up()
-        exits = cluster.wait_exit(services, RUN_TIMEOUT)
+        code = job.finish(RUN_TIMEOUT)
+        exits = cluster.wait_exit(services, 60)
         assert exit_codes(exits) == {s: 0 for s in services}, services_logs(cluster, services)
-        assert "rank 0 of 6 (server 0)" in cluster.logs("ps0")
-        assert "rank 5 of 6 (worker 3)" in cluster.logs("worker3")
+        assert code == 0, job.output
+        assert job.output.rstrip().endswith("netdist up: job finished: all 6 containers exited 0")
+        assert cluster.services() == sorted(services)
+        separator = "_" if cluster.compose == ["docker-compose"] else "-"
+        want = {service: (f"{cluster.project}{separator}{service}{separator}1", service,
+                          (service, str(rank), "6", role, service[-1]))
+                for rank, (service, role) in enumerate(
+                    [(s, "server") for s in SERVERS] + [(w, "worker") for w in WORKERS])}
+        assert _names_and_ranks(cluster, services) == want
+        assert "coordinator ps-server-0:29400" in cluster.logs("worker-3")
         reports = [cluster.logs(s) for s in services if "final test accuracy" in cluster.logs(s)]
         assert len(reports) == 1, services_logs(cluster, services)
         assert "aggregator ps-sharded" in reports[0]
         assert accuracy(reports[0]) >= 95.0, reports[0]
     finally:
+        job.close()
         cluster.down()
 
 
@@ -395,17 +434,18 @@ def test_netdist_netem_shapes_each_container() -> None:
     cluster = Cluster("netem", {})
     sink = f"{cluster.project}-sink"
     try:
-        cluster.run("run", "-d", "--name", sink, "worker1", "python3", "-c", _SINK,
+        cluster.run("run", "-d", "--name", sink, "worker-1", "python3", "-c", _SINK,
                     timeout=120)
+        wait_for_listener(sink, 5001, 60)  # `run -d` returns before the sink listens
         probe = cluster.run("run", "--rm", "-T", "-e", "NETDIST_NETEM=delay 20ms rate 100mbit",
-                            "rank0", "python3", "-c", _PROBE, sink, timeout=120)
+                            RANK0, "python3", "-c", _PROBE, sink, timeout=120)
         match = re.search(r"PROBE rtt_ms=([0-9.]+) mbit=([0-9.]+)", probe.stdout)
         assert match, probe.stdout + probe.stderr
         rtt_ms, mbit = float(match.group(1)), float(match.group(2))
         assert "shaped with" in probe.stderr, probe.stderr
         assert 20.0 <= rtt_ms < 200.0, (rtt_ms, probe.stderr)
         assert 20.0 < mbit <= 110.0, (mbit, probe.stderr)
-        plain = cluster.run("run", "--rm", "-T", "rank0", "python3", "-c", _PROBE, sink,
+        plain = cluster.run("run", "--rm", "-T", RANK0, "python3", "-c", _PROBE, sink,
                             timeout=120)
         plain_match = re.search(r"PROBE rtt_ms=([0-9.]+) mbit=([0-9.]+)", plain.stdout)
         assert plain_match and float(plain_match.group(1)) < 20.0, plain.stdout + plain.stderr
@@ -420,7 +460,7 @@ def test_compose_file_is_valid_for_this_compose(tmp_path: Path) -> None:
     cluster = Cluster("config", {})
     config = cluster.run("config").stdout
     assert "NETDIST_TOKEN: netdist-compose-simulation-token" in config
-    for service in (*WORKERS, "ps0", "ps1"):
+    for service in (*WORKERS, *SERVERS):
         assert re.search(rf"^\s+{service}:\s*$", config, re.M)
     assert re.search(r"profiles:\s*\n\s*- ps\s", config)
     assert "NET_ADMIN" in config
