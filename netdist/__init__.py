@@ -16,6 +16,7 @@ _EXPORTS: dict[str, str] = {
     # configuration and core types
     "DistributedConfig": "netdist.config",
     "WireLimits": "netdist.config",
+    "AdmissionLimits": "netdist.config",
     "ReduceOp": "netdist.types",
     # transport
     "Transport": "netdist.transport",
@@ -24,6 +25,12 @@ _EXPORTS: dict[str, str] = {
     "init": "netdist.transport",
     "create_local_tcp_group": "netdist.transport",
     "launch": "netdist.launcher",
+    # the progress thread and the blocking API
+    "connect": "netdist.progress",
+    "Job": "netdist.progress",
+    "ProgressThread": "netdist.progress",
+    "Handle": "netdist.progress",
+    "Blocking": "netdist.progress",
     # collectives
     "Group": "netdist.collectives",
     "Work": "netdist.collectives",
@@ -103,7 +110,7 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     from netdist.collectives import Group, Work
     from netdist.compression import (CompressedGradient, Fp16Compressor, TopKCompressor,
                                      compress_gradients, decompress_gradients)
-    from netdist.config import DistributedConfig, WireLimits
+    from netdist.config import AdmissionLimits, DistributedConfig, WireLimits
     from netdist.launcher import launch
     from netdist.parallel import (AllReduceAggregator, Fp16AllReduceAggregator,
                                   GradientAggregator, LocalAggregator, TopKAggregator)
@@ -111,6 +118,7 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     from netdist.parallel.pipeline import PipelineParallel, train_pipelined
     from netdist.parallel.stages import (PipelineParallelConfig, PipelineStage,
                                          balance_stages, split_into_stages)
+    from netdist.progress import Blocking, Handle, Job, ProgressThread, connect
     from netdist.ps import ParameterServer, PSClient, PSServer
     from netdist.sharding import gather_shards, shard_tensor
     from netdist.train import (SGD, Adam, Linear, Module, Parameter, ReLU, Sequential, Tanh,

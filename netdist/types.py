@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 __all__ = [
+    "thread_safe",
+    "THREAD_SAFE_ATTRIBUTE",
     "ReduceOp",
     "WIRE_DTYPES",
     "dtype_to_wire",
@@ -89,3 +91,20 @@ def reduce_into(op: ReduceOp, acc: np.ndarray, incoming: np.ndarray) -> None:
     if acc.shape != incoming.shape:
         raise ValueError(f"cannot reduce shape {incoming.shape} into shape {acc.shape}")
     _BINARY_UFUNC[op](acc, incoming, out=acc)
+
+
+THREAD_SAFE_ATTRIBUTE = "__netdist_thread_safe__"
+"""Set on methods that may be called from any thread (see ``thread_safe``)."""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def thread_safe(fn: _F) -> _F:
+    """Mark a plain method as safe to call from any thread.
+
+    Such a method hands its work to the event loop itself (``call_soon_threadsafe``), so
+    the blocking API's proxies (``netdist.progress``) call it directly from the caller's
+    thread instead of making a round trip to the progress thread.
+    """
+    setattr(fn, THREAD_SAFE_ATTRIBUTE, True)
+    return fn

@@ -1,49 +1,26 @@
-"""The one place in netdist that chooses an event loop.
+"""How the CLI's entry points run their coroutine: ``run()`` on a fresh loop.
 
-Library code only ever uses the running loop; entry points run their coroutine through
-``run()``, which uses uvloop when it is installed (a faster loop for socket-heavy code)
-and the standard loop otherwise.
-``NETDIST_EVENT_LOOP=asyncio`` forces the standard loop (for debugging, or to compare);
-``NETDIST_EVENT_LOOP=uvloop`` requires uvloop.
+The loop implementation is chosen in ``netdist.progress.loops`` (uvloop when installed;
+``NETDIST_EVENT_LOOP=asyncio`` forces the standard loop, ``=uvloop`` requires uvloop),
+the one place shared with the progress thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from netdist.errors import ConfigError
+from netdist.progress.loops import default_loop_factory, event_loop_name
 
 __all__ = ["run", "loop_factory", "event_loop_name"]
 
 T = TypeVar("T")
 
-_CHOICES = ("auto", "uvloop", "asyncio")
-
 
 def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """The uvloop loop factory, or ``None`` for the standard loop (see module docstring)."""
-    choice = os.environ.get("NETDIST_EVENT_LOOP", "auto").strip().lower() or "auto"
-    if choice not in _CHOICES:
-        raise ConfigError(
-            f"NETDIST_EVENT_LOOP={choice!r} is not one of {', '.join(_CHOICES)}")
-    if choice == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        if choice == "uvloop":
-            raise ConfigError("NETDIST_EVENT_LOOP=uvloop but uvloop is not installed") from None
-        return None
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return factory
-
-
-def event_loop_name() -> str:
-    """``"uvloop"`` or ``"asyncio"``: the loop ``run()`` would use (for reports)."""
-    return "asyncio" if loop_factory() is None else "uvloop"
+    return default_loop_factory()
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:

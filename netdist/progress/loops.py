@@ -1,0 +1,46 @@
+"""The one place in netdist that chooses an event loop implementation.
+
+Library code only ever uses the running loop. The entry points that create a loop (the
+CLI's ``run()`` and the ``ProgressThread``) ask ``default_loop_factory()``, which picks
+uvloop when it is installed (a faster loop for socket-heavy code) and the standard loop
+otherwise. ``NETDIST_EVENT_LOOP=asyncio`` forces the standard loop (for debugging, or to
+compare); ``NETDIST_EVENT_LOOP=uvloop`` requires uvloop. Nothing here installs a policy:
+the choice applies only to loops netdist creates itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+
+from netdist.errors import ConfigError
+
+__all__ = ["LoopFactory", "default_loop_factory", "event_loop_name"]
+
+LoopFactory = Callable[[], asyncio.AbstractEventLoop]
+
+_CHOICES = ("auto", "uvloop", "asyncio")
+
+
+def default_loop_factory() -> LoopFactory | None:
+    """The uvloop loop factory, or ``None`` for the standard loop (see module docstring)."""
+    choice = os.environ.get("NETDIST_EVENT_LOOP", "auto").strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise ConfigError(
+            f"NETDIST_EVENT_LOOP={choice!r} is not one of {', '.join(_CHOICES)}")
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ConfigError("NETDIST_EVENT_LOOP=uvloop but uvloop is not installed") from None
+        return None
+    factory: LoopFactory = uvloop.new_event_loop
+    return factory
+
+
+def event_loop_name() -> str:
+    """``"uvloop"`` or ``"asyncio"``: the loop netdist would create (for reports)."""
+    return "asyncio" if default_loop_factory() is None else "uvloop"

@@ -1,0 +1,141 @@
+"""Progress thread lifecycle, handles and errors: nothing leaks, every error is netdist's."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from netdist.config import DistributedConfig
+from netdist.errors import (CollectiveMismatchError, ConnectError, NetdistTimeoutError,
+                            RendezvousTimeoutError, TransportClosedError)
+from netdist.progress import Job, ProgressThread
+
+from tests.progress.jobs import JOIN_SECONDS, jobs_of, on_every_rank, progress_threads
+
+
+def test_a_thread_starts_runs_work_and_is_joined_on_close() -> None:
+    progress = ProgressThread(name="netdist-progress-test").start()
+    assert progress.running and len(progress_threads()) == 1
+
+    async def where() -> str:
+        return threading.current_thread().name
+
+    assert progress.run(where()) == "netdist-progress-test"
+    assert progress.call(lambda: threading.current_thread().name) == "netdist-progress-test"
+    progress.close()
+    progress.close()  # idempotent
+    assert not progress.running and progress_threads() == []
+    with pytest.raises(TransportClosedError):
+        progress.submit(where())
+
+
+def test_close_cancels_work_still_running() -> None:
+    progress = ProgressThread().start()
+    started = threading.Event()
+
+    async def forever() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    future = progress.submit(forever())
+    assert started.wait(JOIN_SECONDS)
+    progress.close()
+    assert future.cancelled() and progress_threads() == []
+
+
+def test_run_with_a_timeout_cancels_and_raises_netdist_timeout() -> None:
+    with ProgressThread() as progress:
+        with pytest.raises(NetdistTimeoutError, match="timed out after 0.05s"):
+            progress.run(asyncio.Event().wait(), timeout=0.05)
+    assert progress_threads() == []
+
+
+def test_joining_without_a_coordinator_fails_within_the_timeout_and_leaves_no_thread() -> None:
+    with socket.socket() as unused:  # a port nobody listens on: bind, never listen
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+        config = DistributedConfig(rank=1, world_size=2, coordinator=("127.0.0.1", port),
+                                   token="a-token-long-enough-to-be-fine", timeout=1.0)
+        with pytest.raises((ConnectError, RendezvousTimeoutError)) as caught:
+            Job.connect(config)
+    assert f"127.0.0.1:{port}" in str(caught.value)
+    assert "coordinator" in str(caught.value)
+    assert progress_threads() == []
+
+
+def test_handles_wait_time_out_without_cancelling_and_are_awaitable_anywhere() -> None:
+    with jobs_of(2) as jobs:
+        first, second = jobs
+        data = np.arange(6, dtype=np.float64)
+        pending = first.group.all_reduce(data, async_op=True)  # rank 1 has not joined in yet
+        assert not pending.done()
+        with pytest.raises(NetdistTimeoutError, match="still running"):
+            pending.wait(timeout=0.05)
+        other = second.group.all_reduce(np.arange(6, dtype=np.float64), async_op=True)
+
+        async def await_both() -> list[np.ndarray]:
+            return [await pending, await other]
+
+        results = asyncio.run(await_both())  # a loop of the caller's own
+        assert all((r == 2 * np.arange(6)).all() for r in results)
+        assert pending.done() and pending.result() is data
+        assert pending.exception() is None
+    assert progress_threads() == []
+
+
+def test_a_failing_collective_raises_the_same_netdist_error_and_close_still_cleans_up() -> None:
+    with jobs_of(2, timeout=10.0) as jobs:
+        def mismatched(job: Job) -> str:
+            with pytest.raises(CollectiveMismatchError) as caught:
+                job.group.all_reduce(np.zeros(3 + job.rank, np.float32))
+            return str(caught.value)
+
+        messages = on_every_rank(jobs, mismatched)
+        assert all("all_reduce" in m for m in messages)
+    assert progress_threads() == []
+
+
+def test_point_to_point_and_subgroups_through_the_blocking_api() -> None:
+    with jobs_of(3) as jobs:
+        def body(job: Job) -> tuple[float, list[float] | None]:
+            right, left = (job.rank + 1) % 3, (job.rank - 1) % 3
+            job.group.send(np.full(4, float(job.rank)), right, tag=7)
+            got = job.group.recv(left, tag=7)
+            sub = job.group.new_group([0, 2])
+            summed = None
+            if job.rank in (0, 2):
+                summed = sub.all_reduce(np.ones(2) * job.rank).tolist()
+            return float(got[0]), summed
+
+        results = on_every_rank(jobs, body)
+    assert results == [(2.0, [2.0, 2.0]), (0.0, None), (1.0, [2.0, 2.0])]
+    assert progress_threads() == []
+
+
+def test_awaiting_proxy_runs_collectives_on_the_progress_thread_from_asyncio() -> None:
+    with jobs_of(2) as jobs:
+        async def both() -> list[np.ndarray]:
+            groups = [job.awaiting(job.group.target) for job in jobs]
+            return list(await asyncio.gather(
+                *(g.all_reduce(np.full(3, float(i + 1))) for i, g in enumerate(groups))))
+
+        results = asyncio.run(both())
+    assert [r.tolist() for r in results] == [[3.0] * 3, [3.0] * 3]
+    assert progress_threads() == []
+
+
+def test_a_job_left_on_an_exception_tells_its_peers_whom_to_blame() -> None:
+    from netdist.errors import PeerLostError
+
+    with jobs_of(2) as jobs:
+        waiting = jobs[1].group.all_reduce(np.ones(2), async_op=True)
+        jobs[0].close(RuntimeError("boom in step 3"))
+        with pytest.raises(PeerLostError) as caught:
+            waiting.wait(JOIN_SECONDS)
+    assert caught.value.origin_rank == 0
+    assert "boom in step 3" in str(caught.value)
+    assert progress_threads() == []
