@@ -19,6 +19,17 @@ ranks. Four implementations live here:
   error feedback) as index/value pairs in one all-gather; every rank scatters all ranks'
   pairs into dense zeros in rank order, so all ranks compute bitwise the same sum.
 
+Overlap with backward (DDP style): ``session = aggregator.begin(like_grads)`` opens one
+step's ``OverlapSession``; the backward pass calls ``session.ready(i, grad)`` (from any
+thread) as each gradient becomes final, and a bucket's all-reduce is launched on the
+aggregator's event loop as soon as all of its gradients are final; ``await
+session.finish()`` returns what ``aggregate()`` would have, bitwise. ``aggregate()`` is
+itself a session whose gradients are all final at once, so there is one mechanism.
+``AllReduceAggregator`` and ``Fp16AllReduceAggregator`` support it; ``TopKAggregator``
+(one all-gather of the whole compressed step) and the parameter-server aggregators do
+not, and ``distributed_train_step(overlap=True)`` falls back to aggregating after
+backward for them.
+
 ``bytes_sent`` counts the gradient payload this rank hands to the collectives (bucket
 bytes, or index + value bytes). The algorithm's own traffic factor comes on top (a ring
 all-reduce sends ``2 (n - 1) / n`` times its buffer, an all-gather ``n - 1`` times the
@@ -31,6 +42,9 @@ and every rank receives bitwise-identical averages.
 
 from __future__ import annotations
 
+import asyncio
+import enum
+import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,14 +54,17 @@ import numpy as np
 
 from netdist.compression.fp16 import cast_to_fp16
 from netdist.compression.topk import TopKCompressor, index_dtype
-from netdist.errors import CollectiveError
-from netdist.types import ReduceOp
+from netdist.errors import CollectiveError, CollectiveMismatchError
+from netdist.types import ReduceOp, thread_safe
 
 if TYPE_CHECKING:  # the collectives import asyncio; keep the type-only dependency lazy
     from netdist.collectives import Group
 
 __all__ = [
     "GradientAggregator",
+    "OverlapAggregator",
+    "OverlapSession",
+    "SessionState",
     "LocalAggregator",
     "AllReduceAggregator",
     "Fp16AllReduceAggregator",
@@ -77,6 +94,19 @@ class GradientAggregator(Protocol):
 
     async def aggregate(self, grads: list[np.ndarray]) -> list[np.ndarray]:
         """Return the average over all ranks of each gradient."""
+        ...
+
+
+@runtime_checkable
+class OverlapAggregator(Protocol):
+    """A ``GradientAggregator`` that can overlap its communication with backward.
+
+    ``begin(like)`` opens an ``OverlapSession`` for one step whose gradients have the
+    shapes and dtypes of ``like`` (see ``OverlapSession``).
+    """
+
+    def begin(self, like: Sequence[np.ndarray]) -> OverlapSession:
+        """Open one step's session; call it on the aggregator's event loop."""
         ...
 
 
@@ -265,56 +295,58 @@ class AllReduceAggregator:
         return buf
 
     async def aggregate(self, grads: list[np.ndarray]) -> list[np.ndarray]:
-        """All-reduce-average ``grads`` across the group, bucket by bucket."""
+        """All-reduce-average ``grads`` across the group, bucket by bucket.
+
+        A session whose gradients are all final at once: each bucket is packed on the
+        event loop just before its all-reduce is launched, so packing bucket ``k + 1``
+        overlaps with bucket ``k`` on the wire.
+        """
         arrays = _check_grads(grads)
+        session = self._open(arrays, pack_on_ready=False)
+        for i, g in enumerate(arrays):
+            session.ready(i, g)
+        return await session.finish()
+
+    def begin(self, like: Sequence[np.ndarray]) -> OverlapSession:
+        """Open an ``OverlapSession`` for one step whose gradients look like ``like``.
+
+        Call it on the aggregator's event loop (in a coroutine, or through a ``Job``'s
+        blocking proxy), before backward starts; then report each gradient with
+        ``session.ready(i, grad)`` from any thread as soon as it is final, and ``await
+        session.finish()``. ``like`` fixes the shapes and dtypes (and so the bucket
+        plan); its arrays are the default gradients of ``ready(i)``. The aggregator is
+        busy until the session finishes or is closed.
+        """
+        return self._open(_check_grads(like), pack_on_ready=True)
+
+    def _open(self, arrays: list[np.ndarray], *, pack_on_ready: bool) -> OverlapSession:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise CollectiveError(
+                "an aggregator step must start on the aggregator's event loop (inside a "
+                "coroutine, or through a Job's blocking proxy); no loop is running in "
+                f"thread {threading.current_thread().name!r}") from None
         if self._busy:
-            raise CollectiveError("aggregate() called while a previous call on this "
-                                  "aggregator is still running (its buffers are shared)")
+            raise CollectiveError("aggregate() or begin() called while a previous step on "
+                                  "this aggregator is still running (its buffers are shared)")
         self.steps += 1
-        world = self.group.world_size
-        if world == 1:
-            self.last_bytes_sent = 0
-            return arrays
+        if self.group.world_size > 1:
+            self._prepare(arrays)
         self._busy = True
         try:
-            return await self._aggregate(arrays, world)
-        finally:
+            return OverlapSession(self, arrays, loop, pack_on_ready=pack_on_ready)
+        except BaseException:
             self._busy = False
-
-    async def _aggregate(self, arrays: list[np.ndarray], world: int) -> list[np.ndarray]:
-        self._prepare(arrays)
-        results = list(arrays)
-        pending: deque[tuple[int, np.ndarray | None, Any]] = deque()
-        step_bytes = 0
-        error: Exception | None = None
-        try:
-            for b, bucket in enumerate(self._plan):
-                if self._zero_copy_ok(bucket, arrays):
-                    flat = arrays[bucket.entries[0].index].reshape(-1)
-                    work = await self._launch(flat)
-                    pending.append((b, None, work))
-                else:
-                    buf = self._buffer(b)
-                    for e in bucket.entries:
-                        g = arrays[e.index]
-                        if not self._in_bucket(g, buf, e):
-                            self._fill(buf[e.offset:e.offset + e.size].reshape(g.shape), g)
-                    work = await self._launch(buf)
-                    pending.append((b, buf, work))
-                step_bytes += bucket.nbytes
-                if len(pending) >= self.max_in_flight:
-                    await self._finish(pending.popleft(), arrays, results)
-            while pending:
-                await self._finish(pending.popleft(), arrays, results)
-        except Exception as exc:
-            error = exc
             raise
-        finally:
-            if error is not None:
-                await _settle([item[2] for item in pending])
-        self.bytes_sent += step_bytes
-        self.last_bytes_sent = step_bytes
-        return results
+
+    def _session_done(self, step_bytes: int | None) -> None:
+        """Called once per session when it ends: release the buffers, count the bytes
+        of a successful step (``step_bytes``; None for a failed or abandoned one)."""
+        self._busy = False
+        if step_bytes is not None:
+            self.bytes_sent += step_bytes
+            self.last_bytes_sent = step_bytes
 
     async def _launch(self, buf: np.ndarray) -> Any:
         return await self.group.all_reduce(buf, op=self._op, async_op=True,
@@ -337,6 +369,313 @@ class AllReduceAggregator:
                 fresh = np.empty(g.shape, dtype=g.dtype)
                 self._drain(view, fresh)
                 results[e.index] = fresh
+
+
+class SessionState(enum.Enum):
+    """Where an ``OverlapSession`` is in its life."""
+
+    OPEN = "open"
+    """Gradients may be reported; buckets launch as they complete."""
+    FINISHED = "finished"
+    """``finish()`` returned the averages."""
+    FAILED = "failed"
+    """A bucket's all-reduce failed (lost peer, timeout); ``finish()`` raises its error."""
+    CLOSED = "closed"
+    """Abandoned by ``aclose()`` (or cancelled) before it finished."""
+
+
+class OverlapSession:
+    """One step of an ``AllReduceAggregator`` whose buckets launch while backward runs.
+
+    Made by ``aggregator.begin(like)`` on the aggregator's event loop. Backward reports
+    each gradient with ``ready(i, grad)`` as soon as it is final -- from any thread: the
+    call does its bookkeeping under a lock and, when it completes a bucket, packs that
+    bucket in the calling thread (as DDP's autograd hooks do) and hands it to the loop
+    with ``loop.call_soon_threadsafe``. A driver task on the loop launches the buckets'
+    all-reduces strictly in plan order (bucket ``k`` only after buckets ``< k``, even if
+    it completed earlier), because collectives must be issued in the same order on every
+    rank; at most ``max_in_flight`` run at once, and each is drained into the caller's
+    arrays as it completes. ``await finish()`` returns the averaged gradients exactly as
+    ``aggregate()`` would: the same buckets, the same ``MEAN``, bitwise the same values.
+
+    A reported gradient belongs to the session until ``finish()`` returns: do not read
+    or write it (its bucket may already be on the wire, or averaged into it). Report a
+    gradient once per step, after its last accumulation.
+
+    Failure: a bucket's collective error (``PeerLostError``, a timeout) is raised by
+    ``finish()``; from then on ``ready()`` raises ``CollectiveError`` so that a backward
+    still running stops at its next report. ``aclose()`` abandons the step (a backward
+    that raised, a cancelled caller): no further bucket is launched, those in flight are
+    cancelled and awaited, and the aggregator is released. The caller's arrays then hold
+    a mix of averaged and local values, and this rank has issued fewer collectives than
+    its peers: treat the step as lost on every rank and close the group (the peers then
+    see ``PeerLostError``), as after any failed collective. Every session ends in
+    ``finish()`` or ``aclose()`` (``async with`` does the latter): its driver task waits
+    for reports until then.
+    """
+
+    def __init__(self, aggregator: AllReduceAggregator, like: list[np.ndarray],
+                 loop: asyncio.AbstractEventLoop, *, pack_on_ready: bool) -> None:
+        """Use ``aggregator.begin(like)``; this runs on the loop with the plan prepared."""
+        self._agg = aggregator
+        self._layout = [(g.shape, g.dtype) for g in like]
+        self._like = like
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._pack_on_ready = pack_on_ready
+        self._plan = aggregator.buckets if aggregator.group.world_size > 1 else ()
+        self._bucket_of = [-1] * len(like)
+        for b, bucket in enumerate(self._plan):
+            for e in bucket.entries:
+                self._bucket_of[e.index] = b
+        self._remaining = [len(bucket.entries) for bucket in self._plan]
+        self._packed = [False] * len(self._plan)
+        self._in_place = [False] * len(self._plan)
+        self._final = [asyncio.Event() for _ in self._plan]
+        self._reported = [False] * len(like)
+        self._grads: list[np.ndarray] = list(like)
+        """The reported gradients (``like``'s arrays until reported)."""
+        self._results: list[np.ndarray] = list(like)
+        self._lock = threading.Lock()
+        self._state = SessionState.OPEN
+        self._error: BaseException | None = None
+        self._launched = 0
+        self._released = False
+        self._driver = loop.create_task(self._drive(), name="netdist-overlap-session")
+        self._driver.add_done_callback(self._release)
+
+    # -- reporting (any thread) ----------------------------------------------------------
+
+    @property
+    def state(self) -> SessionState:
+        """Where the session is (see ``SessionState``)."""
+        return self._state
+
+    @property
+    def error(self) -> BaseException | None:
+        """The collective error that failed the session, or None."""
+        return self._error
+
+    @property
+    def launched(self) -> int:
+        """How many buckets' all-reduces have been launched so far (in plan order)."""
+        return self._launched
+
+    @property
+    def num_gradients(self) -> int:
+        """How many gradients the session was begun with."""
+        return len(self._layout)
+
+    @thread_safe
+    def ready(self, index: int, grad: np.ndarray | None = None) -> None:
+        """Mark gradient ``index`` final; ``grad`` defaults to ``like[index]``.
+
+        Thread-safe, callable from any thread. Raises ``CollectiveMismatchError`` if
+        ``grad``'s shape or dtype differs from ``like[index]``, and ``CollectiveError``
+        for an index out of range, a second report of the same gradient, or a session
+        that is no longer open (failed, finished or closed).
+        """
+        i = self._check_index(index)
+        g = self._like[i] if grad is None else self._check_grad(i, grad)
+        with self._lock:
+            if self._state is not SessionState.OPEN:
+                raise CollectiveError(self._not_open(f"gradient {i} reported ready"))
+            if self._reported[i]:
+                raise CollectiveError(f"gradient {i} reported ready twice in one step")
+            self._reported[i] = True
+            self._grads[i] = g
+            self._results[i] = g
+            b = self._bucket_of[i]
+            if b < 0:
+                return  # empty gradients take no part in the all-reduce
+            self._remaining[b] -= 1
+            complete = self._remaining[b] == 0
+        if complete:
+            if self._pack_on_ready:
+                self._pack(b)
+            self._signal(b)
+
+    def _check_index(self, index: int) -> int:
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise CollectiveError(f"gradient index must be an int, got {type(index).__name__}")
+        i = int(index)
+        if not 0 <= i < len(self._layout):
+            raise CollectiveError(f"gradient index {i} out of range: the session has "
+                                  f"{len(self._layout)} gradients")
+        return i
+
+    def _check_grad(self, i: int, grad: np.ndarray) -> np.ndarray:
+        if not isinstance(grad, np.ndarray):
+            raise CollectiveMismatchError(
+                f"gradient {i} is a {type(grad).__name__}, expected a numpy array")
+        shape, dtype = self._layout[i]
+        if grad.shape != shape or grad.dtype != dtype:
+            raise CollectiveMismatchError(
+                f"gradient {i} has shape {grad.shape} and dtype {grad.dtype}, but the "
+                f"session was begun with shape {shape} and dtype {dtype}")
+        return grad
+
+    def _not_open(self, what: str) -> str:
+        if self._state is SessionState.FAILED:
+            return f"{what} after the step's all-reduce failed: {self._error}"
+        return f"{what} to an overlap session that is already {self._state.value}"
+
+    def _pack(self, b: int) -> None:
+        """Copy bucket ``b``'s gradients into its buffer, or mark it for an in-place
+        all-reduce, exactly as ``aggregate()`` always did (the same copies, so the same
+        bits)."""
+        agg, bucket, grads = self._agg, self._plan[b], self._grads
+        if agg._zero_copy_ok(bucket, grads):
+            self._in_place[b] = True
+        else:
+            buf = agg._buffer(b)
+            for e in bucket.entries:
+                g = grads[e.index]
+                if not agg._in_bucket(g, buf, e):
+                    agg._fill(buf[e.offset:e.offset + e.size].reshape(g.shape), g)
+        self._packed[b] = True
+
+    def _signal(self, b: int) -> None:
+        """Wake the driver for bucket ``b`` (on the loop, whichever thread we are on)."""
+        event = self._final[b]
+        if threading.get_ident() == self._loop_thread:
+            event.set()
+            return
+        try:
+            self._loop.call_soon_threadsafe(event.set)
+        except RuntimeError:  # the loop is closed: nobody will ever launch the bucket
+            raise CollectiveError(f"bucket {b} completed after the aggregator's event "
+                                  "loop was closed") from None
+
+    # -- the driver (on the loop) --------------------------------------------------------
+
+    async def _drive(self) -> int:
+        """Launch the buckets in plan order as they complete; drain them as they finish.
+        Returns the payload bytes handed to the collectives."""
+        agg = self._agg
+        pending: deque[tuple[int, np.ndarray | None, Any]] = deque()
+        step_bytes = 0
+        try:
+            for b, bucket in enumerate(self._plan):
+                await self._final[b].wait()
+                if not self._packed[b]:
+                    self._pack(b)  # aggregate(): packed here, while earlier buckets travel
+                if self._in_place[b]:  # the caller's own array, reduced where it is
+                    flat = self._grads[bucket.entries[0].index].reshape(-1)
+                    pending.append((b, None, await agg._launch(flat)))
+                else:
+                    buf = agg._buffer(b)
+                    pending.append((b, buf, await agg._launch(buf)))
+                self._launched = b + 1
+                step_bytes += bucket.nbytes
+                if len(pending) >= agg.max_in_flight:
+                    await agg._finish(pending.popleft(), self._grads, self._results)
+            while pending:
+                await agg._finish(pending.popleft(), self._grads, self._results)
+        except asyncio.CancelledError:
+            await _cancel_works([item[2] for item in pending])
+            raise
+        except Exception as exc:
+            with self._lock:
+                if self._state is SessionState.OPEN:
+                    self._state = SessionState.FAILED
+                    self._error = exc
+            await _settle([item[2] for item in pending])
+            raise
+        return step_bytes
+
+    def _release(self, _: object = None) -> None:
+        """Release the aggregator once the driver has stopped, however it stopped: at the
+        latest from the driver's done callback, at once where the session ends (a done
+        callback runs one loop turn late, and the caller's next step may not wait)."""
+        driver = self._driver
+        if self._released or not driver.done():
+            return
+        self._released = True
+        ok = not driver.cancelled() and driver.exception() is None
+        self._agg._session_done(driver.result() if ok else None)
+
+    # -- ending the step (on the loop) ---------------------------------------------------
+
+    async def finish(self, grads: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """Wait for every bucket and return the averaged gradients, as ``aggregate()``.
+
+        ``grads`` (optional, the step's gradients in order) reports every gradient not
+        reported yet, so a backward that reports only some still ends correctly. A
+        gradient never reported raises ``CollectiveError`` (after closing the session).
+        A collective's error (``PeerLostError``, ``NetdistTimeoutError``, ...) is raised
+        here after the other in-flight buckets settled. If the caller is cancelled, the
+        session is closed (see ``aclose``).
+        """
+        if grads is not None:
+            arrays = list(grads)
+            if len(arrays) != len(self._layout):
+                await self.aclose()
+                raise CollectiveMismatchError(
+                    f"finish() got {len(arrays)} gradients; the session was begun with "
+                    f"{len(self._layout)}")
+            try:
+                for i, g in enumerate(arrays):
+                    if not self._reported[i] and self._state is SessionState.OPEN:
+                        self.ready(i, g)
+            except CollectiveMismatchError:
+                await self.aclose()
+                raise
+        missing = [i for i, done in enumerate(self._reported) if not done]
+        if missing and self._state is SessionState.OPEN:
+            await self.aclose()
+            shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+            raise CollectiveError(
+                f"finish(): {len(missing)} of {len(self._layout)} gradients were never "
+                f"reported ready ({shown}); report each one, or pass the step's "
+                "gradients to finish()")
+        if self._state is SessionState.CLOSED:
+            raise CollectiveError("finish() called on an overlap session that was closed")
+        try:
+            await self._driver
+        except asyncio.CancelledError:
+            self._close()
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the caller was cancelled
+            raise CollectiveError("the overlap session was closed while finish() "
+                                  "waited for it") from None
+        finally:
+            self._release()
+        with self._lock:
+            self._state = SessionState.FINISHED
+        return self._results
+
+    def _close(self) -> bool:
+        """Mark the session closed (if still open) and cancel the driver; True if it was
+        still running."""
+        with self._lock:
+            if self._state is SessionState.OPEN:
+                self._state = SessionState.CLOSED
+        if self._driver.done():
+            return False
+        self._driver.cancel()
+        return True
+
+    async def aclose(self) -> None:
+        """Abandon the step: launch nothing more, cancel and await the buckets in flight,
+        release the aggregator. Idempotent; a finished or failed session is left as it is.
+        If this call is itself cancelled, the driver still winds down on its own."""
+        self._close()
+        await asyncio.wait([self._driver])
+        if not self._driver.cancelled():
+            self._driver.exception()  # retrieved: finish() is where it is reported
+        self._release()
+
+    async def __aenter__(self) -> OverlapSession:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return (f"<OverlapSession {self._state.value}: {self._launched} of "
+                f"{len(self._plan)} buckets launched>")
 
 
 class Fp16AllReduceAggregator(AllReduceAggregator):
@@ -472,6 +811,19 @@ class TopKAggregator:
         self.bytes_sent += self.last_bytes_sent
         self.dense_bytes += sum(g.nbytes for g in arrays) if world > 1 else 0
         return results
+
+
+async def _cancel_works(works: Sequence[Any]) -> None:
+    """Cancel collectives in flight and wait until they have stopped, so none writes
+    into a buffer after its step was abandoned. Their outcomes are dropped."""
+    for work in works:
+        work.cancel()
+    waiters = [asyncio.ensure_future(work.wait()) for work in works]
+    if waiters:
+        await asyncio.wait(waiters)
+    for waiter in waiters:
+        if not waiter.cancelled():
+            waiter.exception()
 
 
 async def _settle(works: Any) -> None:

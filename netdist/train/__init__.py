@@ -15,9 +15,10 @@ from netdist.train.data import (
 from netdist.train.losses import log_softmax, mse_loss, softmax_cross_entropy
 from netdist.train.nn import Linear, Module, Parameter, ReLU, Sequential, Tanh, mlp
 from netdist.train.optim import SGD, Adam, Optimizer
-from netdist.train.step import distributed_train_step
+from netdist.train.step import GradReady, distributed_train_step
 
 __all__ = [
+    "GradReady",
     "Parameter",
     "Module",
     "Linear",

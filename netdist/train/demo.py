@@ -29,8 +29,13 @@ Checkpointing (``checkpoint_dir``) saves the model, the optimizer state, the pro
 counters and the top-k residuals (per rank) with ``netdist.checkpoint.save`` every
 ``checkpoint_every`` steps and at the end; ``resume`` continues from the newest complete
 checkpoint, on the same data order, so an interrupted run ends where an uninterrupted one
-would. ``ps-sharded`` / ``ps-async`` keep the optimizer on the servers and cannot
-checkpoint yet.
+would. Before the first step every rank creates the directory and writes and removes a
+probe file there (``checkpoint_dir_problem``), and every rank raises the same
+``ConfigError`` naming the ranks, the path and the reason if any could not: an unusable
+directory is found before training, not at the first save. A checkpoint written for
+another model (another ``hidden``) is refused on resume with a ``ConfigError`` naming
+each differing parameter with both shapes. ``ps-sharded`` / ``ps-async`` keep the
+optimizer on the servers and cannot checkpoint yet.
 
 Pipeline parallelism (``pipeline_stages`` = P > 0, ``--pipeline-stages``): the world of
 ``W`` ranks forms ``W / P`` replicas of a P-stage pipeline (``netdist.parallel.pipeline``;
@@ -58,9 +63,11 @@ ring``) and do not checkpoint: other combinations raise ``ConfigError``.
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -71,6 +78,7 @@ from netdist.parallel.aggregators import (
     AllReduceAggregator,
     Fp16AllReduceAggregator,
     GradientAggregator,
+    OverlapAggregator,
     TopKAggregator,
 )
 from netdist.parallel.stages import (
@@ -92,7 +100,7 @@ from netdist.train.data import (
 from netdist.train.losses import softmax_cross_entropy
 from netdist.train.nn import Sequential, mlp
 from netdist.train.optim import SGD, Optimizer
-from netdist.train.step import distributed_train_step
+from netdist.train.step import GradReady, distributed_train_step
 
 if TYPE_CHECKING:
     from netdist.collectives import Group
@@ -109,6 +117,7 @@ __all__ = [
     "build_model",
     "pipeline_stages_for",
     "evaluate",
+    "checkpoint_dir_problem",
     "train_worker",
 ]
 
@@ -409,7 +418,8 @@ def evaluate(model: Sequential, x: np.ndarray, y: np.ndarray) -> float:
 
 
 class _TimedAggregator:
-    """Measures the wall time spent inside ``aggregate`` (the communication share)."""
+    """Measures the wall time the step waits for communication (its exposed share):
+    all of ``aggregate``, or, overlapped with backward, what is left in ``finish``."""
 
     def __init__(self, inner: GradientAggregator) -> None:
         self.inner = inner
@@ -419,12 +429,60 @@ class _TimedAggregator:
     def bytes_sent(self) -> int:
         return int(self.inner.bytes_sent)
 
+    def for_step(self) -> GradientAggregator:
+        """``self``, or an overlap-capable twin when the inner aggregator can overlap."""
+        return _TimedOverlap(self) if isinstance(self.inner, OverlapAggregator) else self
+
     async def aggregate(self, grads: list[np.ndarray]) -> list[np.ndarray]:
         start = time.perf_counter()
         try:
             return await self.inner.aggregate(grads)
         finally:
             self.seconds += time.perf_counter() - start
+
+
+class _TimedOverlap:
+    """``_TimedAggregator`` for an ``OverlapAggregator``: times ``finish``."""
+
+    def __init__(self, timed: _TimedAggregator) -> None:
+        self.timed = timed
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.timed.bytes_sent
+
+    async def aggregate(self, grads: list[np.ndarray]) -> list[np.ndarray]:
+        return await self.timed.aggregate(grads)
+
+    def begin(self, like: Sequence[np.ndarray]) -> Any:
+        inner = self.timed.inner
+        if not isinstance(inner, OverlapAggregator):  # for_step() checked this
+            raise ConfigError("the demo's aggregator cannot overlap")
+        return _TimedSession(inner.begin(like), self.timed)
+
+
+class _TimedSession:
+    """An ``OverlapSession`` whose ``finish`` (the exposed communication) is timed."""
+
+    def __init__(self, session: Any, timed: _TimedAggregator) -> None:
+        self.session, self.timed = session, timed
+        self.ready = session.ready
+
+    @property
+    def error(self) -> BaseException | None:
+        error: BaseException | None = self.session.error
+        return error
+
+    async def aclose(self) -> None:
+        await self.session.aclose()
+
+    async def finish(self, grads: Any = None) -> list[np.ndarray]:
+        start = time.perf_counter()
+        try:
+            averaged: list[np.ndarray] = await self.session.finish(grads)
+            return averaged
+        finally:
+            self.timed.seconds += time.perf_counter() - start
 
 
 def _human_bytes(n: float) -> str:
@@ -435,6 +493,93 @@ def _human_bytes(n: float) -> str:
 
 
 # -- checkpoints ---------------------------------------------------------------------------
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def checkpoint_dir_problem(directory: str | os.PathLike[str], *, tag: str = "") -> str | None:
+    """Why ``directory`` cannot hold checkpoints on this host, or ``None`` when it can.
+
+    Creates the directory (with its parents) and writes and removes a probe file named
+    with this process's id and ``tag``, so an unusable ``--checkpoint-dir`` is reported
+    before training rather than by the first save, after it. The answer is a phrase
+    naming the path and the OS's reason, e.g. ``cannot create /proc/nope: No such file
+    or directory``.
+    """
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        return f"{path} exists and is not a directory"
+    except OSError as exc:
+        return f"cannot create {path}: {_reason(exc)}"
+    probe = path / f".netdist-write-probe-{os.getpid()}{tag}"
+    try:
+        with open(probe, "xb") as f:
+            f.write(b"netdist write probe\n")
+        probe.unlink()
+    except OSError as exc:
+        return f"cannot write to {path}: {_reason(exc)}"
+    return None
+
+
+async def _check_checkpoint_dir(group: Group, directory: str, timeout: float | None) -> None:
+    """Every rank probes ``directory``; if any cannot use it, every rank raises the same
+    ``ConfigError`` (naming the ranks) instead of the others losing a peer later."""
+    problem = checkpoint_dir_problem(directory, tag=f"-rank{group.rank}")
+    problems = await group.all_gather_object(problem, timeout=timeout)
+    by_problem: dict[str, list[int]] = {}
+    for rank, text in enumerate(problems):
+        if text:
+            by_problem.setdefault(str(text), []).append(rank)
+    if by_problem:
+        parts = [f"{'rank' if len(ranks) == 1 else 'ranks'} "
+                 f"{', '.join(str(r) for r in ranks)}: {text}"
+                 for text, ranks in by_problem.items()]
+        raise ConfigError(f"checkpoint directory unusable on {'; '.join(parts)}")
+
+
+def _layer_order(name: str) -> tuple[int, bool, str]:
+    """``"2.weight"`` sorts by layer, then weight before bias (``Linear``'s own order)."""
+    head, _, rest = name.partition(".")
+    return (int(head), rest != "weight", rest) if head.isdigit() else (-1, True, name)
+
+
+def _hidden_of(shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    """The ``--hidden`` an MLP with these parameter shapes was built with, if it is one."""
+    ordered = sorted(shapes.items(), key=lambda item: _layer_order(item[0]))
+    weights = [shape for name, shape in ordered if name.endswith(".weight") and len(shape) == 2]
+    if len(weights) < 2:
+        return None
+    return ",".join(str(shape[0]) for shape in weights[:-1])
+
+
+def _check_model_state(saved: Mapping[str, Any], model: Sequential, where: str) -> None:
+    """``ConfigError`` naming every parameter whose shape differs between the checkpoint
+    (``saved``) and ``model``, with both shapes; nothing when they match."""
+    here = {name: tuple(p.data.shape) for name, p in model.named_parameters()}
+    there = {name: tuple(np.shape(getattr(v, "data", v))) for name, v in saved.items()}
+    if here == there:
+        return
+    problems = []
+    for name in [*here, *sorted(set(there) - set(here), key=_layer_order)]:
+        old, new = there.get(name), here.get(name)
+        if old == new:
+            continue
+        if old is None:
+            problems.append(f"{name} {new} is not in the checkpoint")
+        elif new is None:
+            problems.append(f"{name} {old} is in the checkpoint but not in this model")
+        else:
+            problems.append(f"{name} is {old} in the checkpoint but {new} in this model")
+    old_hidden, new_hidden = _hidden_of(there), _hidden_of(here)
+    hint = (f" (written with --hidden {old_hidden}, this run has --hidden {new_hidden}; "
+            f"resume with the same --hidden or use another --checkpoint-dir)"
+            if old_hidden and new_hidden else "")
+    raise ConfigError(f"cannot resume from {where}: the checkpoint holds another model: "
+                      f"{'; '.join(problems)}{hint}")
 
 
 def _checkpoint_state(model: Sequential, path: UpdatePath, step: int, epoch: int,
@@ -525,6 +670,8 @@ async def _train(group: Group, config: DemoConfig, dataset: Dataset, model: Sequ
     total_steps = steps_per_epoch * config.epochs
 
     step, start_epoch, skip = 0, 0, 0
+    if config.checkpoint_dir:
+        await _check_checkpoint_dir(group, config.checkpoint_dir, config.timeout)
     if config.resume and config.checkpoint_dir:
         from netdist.checkpoint import list_checkpoints, load
 
@@ -533,10 +680,19 @@ async def _train(group: Group, config: DemoConfig, dataset: Dataset, model: Sequ
             timeout=config.timeout)
         if found:
             state = await load(config.checkpoint_dir, group, timeout=config.timeout)
+            saved_step = state.get("progress", {}).get("step", "?")
+            _check_model_state(state["model"], model,
+                               f"{config.checkpoint_dir} (step {saved_step})")
             step, start_epoch, skip = _restore(state, model, path, config.batch_size)
             if skip >= steps_per_epoch:
                 start_epoch, skip = start_epoch + 1, 0
-            if say:
+            if say and start_epoch >= config.epochs:
+                # a finished job started again: say so instead of "resuming" into nothing
+                say(f"nothing to train: the checkpoint in {config.checkpoint_dir} (step "
+                    f"{step}) is the end of epoch {config.epochs} of {config.epochs}; "
+                    f"raise the epochs to train longer, or use a new checkpoint "
+                    f"directory to start over")
+            elif say:
                 say(f"resumed from {config.checkpoint_dir} at step {step} "
                     f"(epoch {start_epoch + 1}, batch {skip})")
         elif say:
@@ -581,14 +737,18 @@ async def _train(group: Group, config: DemoConfig, dataset: Dataset, model: Sequ
                 continue
             xb, yb = dataset.x_train[batch], dataset.y_train[batch]
 
-            def compute(xb: np.ndarray = xb, yb: np.ndarray = yb) -> tuple[float, list[np.ndarray]]:
+            def compute(ready: GradReady, xb: np.ndarray = xb,
+                        yb: np.ndarray = yb) -> tuple[float, list[np.ndarray]]:
                 model.zero_grad()
                 logits, ctx = model.forward(xb)
                 loss, grad = softmax_cross_entropy(logits, yb)
-                model.backward(ctx, grad)
+                model.backward(ctx, grad, on_grad_ready=ready)
                 return loss, [p.grad for p in params]
 
-            losses.append(await distributed_train_step(compute, path.apply, timed))
+            # compute runs in a worker thread (the loop keeps moving bytes and heartbeats)
+            # and each gradient bucket is all-reduced as soon as backward has filled it
+            losses.append(await distributed_train_step(compute, path.apply, timed.for_step(),
+                                                       overlap=True, params=params))
             samples += len(batch)
             step += 1
             if config.checkpoint_every and step % config.checkpoint_every == 0:

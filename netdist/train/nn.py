@@ -11,6 +11,13 @@ Layers read ``param.data`` at the moment ``forward``/``backward`` runs and never
 reference to a weight inside ``ctx``, so FSDP can point ``param.data`` at freshly gathered
 storage before each call and release it afterwards.
 
+Backward can report each parameter's gradient as soon as it is final, for overlapping
+the gradient all-reduce with the rest of backward (DDP's autograd hooks):
+``model.backward(ctx, grad, on_grad_ready=hook)`` on a ``Sequential`` calls ``hook(param)``
+once per parameter, right after the layer that owns it has finished its backward, last
+layers first. Any ``Module`` takes part through ``backward_reporting`` (by default:
+``backward``, then report the module's own parameters); without a hook nothing changes.
+
 Initialisation is seeded through an explicit ``numpy.random.Generator``: the same seed
 gives the same model on every rank and every run, with no global random state.
 """
@@ -18,7 +25,7 @@ gives the same model on every rank and every run, with no global random state.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +33,7 @@ import numpy as np
 
 __all__ = [
     "Parameter",
+    "GradReadyHook",
     "Module",
     "Linear",
     "ReLU",
@@ -72,11 +80,16 @@ class Parameter:
         self.grad[...] = 0
 
 
+GradReadyHook = Callable[[Parameter], None]
+"""``hook(param)``: ``param.grad`` is final for this backward call (see the module docstring)."""
+
+
 class Module:
     """Base class: a differentiable function with named parameters.
 
     Subclasses implement ``forward`` and ``backward`` and, if they own parameters,
-    ``named_parameters``.
+    ``named_parameters``. A container whose parameters become final at different times
+    during its backward overrides ``backward_reporting`` to report them as they do.
     """
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
@@ -86,6 +99,20 @@ class Module:
     def backward(self, ctx: Any, grad_out: np.ndarray) -> np.ndarray:
         """Return d(loss)/d(input); add d(loss)/d(param) into each ``param.grad``."""
         raise NotImplementedError
+
+    def backward_reporting(self, ctx: Any, grad_out: np.ndarray,
+                           on_grad_ready: GradReadyHook) -> np.ndarray:
+        """``backward``, calling ``on_grad_ready(p)`` once per parameter as soon as its
+        gradient is final; returns d(loss)/d(input).
+
+        This default runs ``backward`` and then reports the module's parameters (in
+        reverse order, the order gradient buckets are filled in). The hook runs on the
+        thread running backward; an exception it raises propagates out of backward.
+        """
+        grad_in = self.backward(ctx, grad_out)
+        for p in reversed(self.parameters()):
+            on_grad_ready(p)
+        return grad_in
 
     def named_parameters(self) -> list[tuple[str, Parameter]]:
         """``(qualified name, parameter)`` pairs in a fixed, deterministic order."""
@@ -242,13 +269,25 @@ class Sequential(Module):
             ctxs.append(ctx)
         return x, ctxs
 
-    def backward(self, ctx: Any, grad_out: np.ndarray) -> np.ndarray:
+    def backward(self, ctx: Any, grad_out: np.ndarray, *,
+                 on_grad_ready: GradReadyHook | None = None) -> np.ndarray:
+        """Back through the layers in reverse. With ``on_grad_ready``, each parameter is
+        reported right after its layer's backward (nested containers report per layer
+        too), so the last layers' gradients can travel while earlier layers compute."""
         ctxs: list[Any] = ctx
         if len(ctxs) != len(self.layers):
             raise ValueError(f"context has {len(ctxs)} entries for {len(self.layers)} layers")
         for layer, layer_ctx in zip(reversed(self.layers), reversed(ctxs)):
-            grad_out = layer.backward(layer_ctx, grad_out)
+            if on_grad_ready is None:
+                grad_out = layer.backward(layer_ctx, grad_out)
+            else:
+                grad_out = layer.backward_reporting(layer_ctx, grad_out, on_grad_ready)
         return grad_out
+
+    def backward_reporting(self, ctx: Any, grad_out: np.ndarray,
+                           on_grad_ready: GradReadyHook) -> np.ndarray:
+        """``backward(ctx, grad_out, on_grad_ready=on_grad_ready)``: layer by layer."""
+        return self.backward(ctx, grad_out, on_grad_ready=on_grad_ready)
 
     def __len__(self) -> int:
         return len(self.layers)

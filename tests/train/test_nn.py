@@ -162,3 +162,77 @@ def test_validation():
     shared = Linear(2, 2, rng=rng)
     with pytest.raises(ValueError, match="twice"):
         Sequential(shared, shared)
+
+
+# ---------------------------------------------------------------- gradient-ready hooks
+
+class Scale(Module):
+    """A user layer that knows nothing of hooks: ``y = x * s`` with one parameter."""
+
+    def __init__(self, features: int) -> None:
+        self.s = Parameter("s", np.full(features, 2.0))
+
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        return [("s", self.s)]
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return x * self.s.data, x
+
+    def backward(self, ctx: np.ndarray, grad_out: np.ndarray) -> np.ndarray:
+        self.s.grad += (grad_out * ctx).reshape(-1, ctx.shape[-1]).sum(0)
+        return grad_out * self.s.data
+
+
+def hooked_model() -> Sequential:
+    rng = np.random.default_rng(11)
+    return Sequential(Linear(6, 5, rng=rng), Tanh(),
+                      Sequential(Linear(5, 4, rng=rng), ReLU(), Scale(4)),
+                      Linear(4, 3, rng=rng))
+
+
+def test_grad_ready_hook_reports_each_parameter_once_final_and_last_layer_first():
+    rng = np.random.default_rng(12)
+    x, labels = rng.normal(size=(8, 6)), rng.integers(0, 3, 8)
+    plain, hooked = hooked_model(), hooked_model()
+    logits, ctx = plain.forward(x)
+    _, g = softmax_cross_entropy(logits, labels)
+    gx_plain = plain.backward(ctx, g)
+
+    reports: list[tuple[str, bytes, bool]] = []
+    first = hooked.parameters()[0]
+
+    def on_ready(p: Parameter) -> None:
+        # the gradient as reported, and whether the first layer had been reached yet
+        reports.append((p.name, p.grad.tobytes(), bool(first.grad.any())))
+
+    logits, ctx = hooked.forward(x)
+    _, g = softmax_cross_entropy(logits, labels)
+    gx = hooked.backward(ctx, g, on_grad_ready=on_ready)
+
+    np.testing.assert_array_equal(gx, gx_plain)  # the hook changes nothing
+    names = [name for name, _ in hooked.named_parameters()]
+    assert [r[0] for r in reports] == list(reversed(names))  # once each, last layer first
+    assert names == ["0.weight", "0.bias", "2.0.weight", "2.0.bias", "2.2.s", "3.weight",
+                     "3.bias"]
+    final = {p.name: p.grad.tobytes() for p in plain.parameters()}
+    for name, grad, first_reached in reports:
+        assert grad == final[name], f"{name} was reported before it was final"
+        assert first_reached == name.startswith("0."), name  # reported before layer 0 ran
+
+
+def test_grad_ready_hook_on_a_single_module_and_errors_propagate():
+    layer = Scale(3)
+    y, ctx = layer.forward(np.ones((2, 3)))
+    seen: list[str] = []
+    layer.backward_reporting(ctx, np.ones_like(y), lambda p: seen.append(p.name))
+    assert seen == ["s"]
+    np.testing.assert_array_equal(layer.s.grad, [2.0, 2.0, 2.0])
+
+    model = hooked_model()
+    logits, ctx = model.forward(np.ones((1, 6)))
+
+    def refuse(p: Parameter) -> None:
+        raise RuntimeError(f"hook refused {p.name}")
+
+    with pytest.raises(RuntimeError, match="hook refused 3.bias"):
+        model.backward(ctx, np.ones_like(logits), on_grad_ready=refuse)
