@@ -50,10 +50,12 @@ from netdist.checkpoint.metadata import (
     rank_file_name,
     step_dir_name,
 )
-from netdist.checkpoint.planner import Box, ReadItem, box_shape, plan_reads, plan_writes
+from netdist.checkpoint.planner import (Box, ReadItem, box_shape, plan_reads, plan_writes,
+                                        read_ranks)
 from netdist.checkpoint.storage import (
     ShardFile,
     TensorSource,
+    check_file_sizes,
     read_metadata,
     write_bytes_atomic,
     write_safetensors,
@@ -482,6 +484,8 @@ def load_distributed(dir: str | os.PathLike[str], rank: int, world_size: int, *,
     targets = metadata.rebalanced(world_size)
     wanted = {name: spec.box(rank) if spec.shard_dim is not None else
               tuple((0, n) for n in spec.full_shape) for name, spec in targets.items()}
+    plan = plan_reads(metadata.tensor_specs, metadata.writers, wanted)
+    check_file_sizes(directory, metadata, read_ranks(plan))  # before sizing any buffer
     dests: dict[str, np.ndarray] = {}
     for name, box in wanted.items():
         spec = metadata.tensor_specs[name]
@@ -497,7 +501,6 @@ def load_distributed(dir: str | os.PathLike[str], rank: int, world_size: int, *,
         unknown = sorted(set(out) - set(wanted))
         if unknown:
             raise CheckpointMismatchError(f"the checkpoint has no tensors named {unknown}")
-    plan = plan_reads(metadata.tensor_specs, metadata.writers, wanted)
     read_plan_into(directory, metadata, plan, dests, verify=verify, threads=threads)
     return dests
 

@@ -76,7 +76,7 @@ from netdist.checkpoint.metadata import (
 )
 from netdist.checkpoint.planner import Box, assign_writers, box_shape, plan_reads
 from netdist.checkpoint.state import ShardedArray, flatten_state, unflatten_state
-from netdist.checkpoint.storage import read_metadata_text
+from netdist.checkpoint.storage import check_file_sizes, read_metadata_text
 from netdist.errors import CheckpointError, CheckpointMismatchError
 from netdist.types import WIRE_DTYPES, dtype_to_wire
 
@@ -464,6 +464,9 @@ async def load(dir: str | os.PathLike[str], group: Any, *, like: Any = None,
 
     result: Any = None
     try:
+        # every rank file must hold what the metadata records before buffers are sized
+        await asyncio.to_thread(check_file_sizes, directory, metadata,
+                                [record.rank for record in metadata.files])
         wanted, dests, rebuild = _prepare_load(metadata, like,
                                                [g["extents"] for g in gathered], rank,
                                                world_size, strict, rank_objects)

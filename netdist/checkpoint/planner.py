@@ -19,7 +19,7 @@ from a hostile file cannot wrap around to a small byte count.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from netdist.checkpoint.metadata import TensorShardSpec
@@ -27,6 +27,7 @@ from netdist.errors import CheckpointCorruptError
 from netdist.types import WIRE_DTYPES
 
 __all__ = [
+    "read_ranks",
     "Box",
     "WriteItem",
     "WritePlan",
@@ -227,3 +228,8 @@ def run_layout(shape: tuple[int, ...], box: Box) -> tuple[int, int]:
         if (lo, hi) != (0, shape[dim]):
             break
     return k, run
+
+
+def read_ranks(plan: Mapping[str, Sequence[ReadItem]]) -> set[int]:
+    """The ranks whose files a read plan opens."""
+    return {item.src_rank for items in plan.values() for item in items}

@@ -275,6 +275,30 @@ def read_metadata_text(directory: str | os.PathLike[str]) -> str:
                                      f"{exc}") from None
 
 
+def check_file_sizes(directory: str | os.PathLike[str], metadata: ShardMetadata,
+                     ranks: Iterable[int]) -> None:
+    """Refuse a load whose rank files (of ``ranks``) do not hold the recorded sizes.
+
+    Readers size their buffers from the metadata's shapes, which ``check_committed``
+    bounds by the recorded file sizes; checking those against the files themselves
+    (opened the safe way, one ``fstat`` each) before anything is allocated means a forged
+    or truncated checkpoint costs no more memory than its files hold.
+    """
+    wanted = set(ranks)
+    for record in metadata.files:
+        if record.rank not in wanted:
+            continue
+        fd = open_checkpoint_file(directory, record.name)
+        try:
+            actual = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if actual != record.size:
+            raise CheckpointCorruptError(
+                f"{Path(directory) / record.name} holds {actual} bytes but the metadata "
+                f"records {record.size} (truncated, or not the file that was committed)")
+
+
 def read_metadata(directory: str | os.PathLike[str]) -> ShardMetadata:
     """Read and check ``directory/metadata.json`` (errors name that path)."""
     return ShardMetadata.loads(read_metadata_text(directory),

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import struct
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -271,6 +272,29 @@ def test_metadata_shape_larger_than_the_files_is_corrupt(ck: Path) -> None:
     _every_reader_refuses(ck, METADATA_FILE,
                           "rank 0's tensors need 6442450968 bytes, but its file "
                           "rank_00000.safetensors has")
+
+
+def test_forged_file_sizes_are_refused_before_any_buffer_is_allocated(ck: Path) -> None:
+    # metadata consistent with itself (16 GiB files recorded, one checksum block each,
+    # 6 GiB of tensors per rank) but not with the few hundred bytes on disk: the loaders
+    # must compare with the files before sizing a buffer from the shapes
+    def edit(doc: dict[str, Any]) -> None:
+        doc["tensors"]["w"].update(shape=[2**30, 3], shard_sizes=[2**29, 2**29])
+        for record in doc["files"]:
+            record["size"] = 2**34
+            record["checksum"].update(block_size=2**34, blocks="00000000")
+
+    _edit_metadata(ck, edit)
+    tracemalloc.start()
+    try:
+        for rank, world in ((1, 2), (0, 1)):
+            with pytest.raises(CheckpointCorruptError, match=r"rank_0000[01]\.safetensors "
+                               r"holds \d+ bytes but the metadata records 17179869184"):
+                load_distributed(ck, rank, world)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak} bytes allocated while refusing"
 
 
 def test_header_element_count_does_not_wrap(ck: Path) -> None:
