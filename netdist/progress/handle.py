@@ -18,9 +18,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Generator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from netdist.errors import NetdistTimeoutError
+
+if TYPE_CHECKING:
+    from netdist.progress.thread import ProgressThread
 
 __all__ = ["Handle"]
 
@@ -30,12 +33,14 @@ T = TypeVar("T")
 class Handle(Generic[T]):
     """An operation in flight on the progress thread."""
 
-    __slots__ = ("_future", "op")
+    __slots__ = ("_future", "op", "_progress")
 
-    def __init__(self, future: concurrent.futures.Future[T], op: str) -> None:
+    def __init__(self, future: concurrent.futures.Future[T], op: str,
+                 progress: ProgressThread | None = None) -> None:
         self._future = future
         self.op = op
         """What is running, e.g. ``"all_reduce"``."""
+        self._progress = progress
 
     def done(self) -> bool:
         """True once the operation finished, successfully or not."""
@@ -48,6 +53,8 @@ class Handle(Generic[T]):
         running. An interrupt (Ctrl-C) in the waiting thread cancels the operation.
         """
         try:
+            if self._progress is not None:  # drives the loop while waiting when it is free
+                return self._progress.wait(self._future, timeout, self.op)
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError:
             if self._future.done():

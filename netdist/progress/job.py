@@ -92,7 +92,7 @@ class Job:
         """Build ``factory(*args, **kwargs)`` on the progress thread and return it blocking.
 
         Proxies among the arguments (``job.group``, ``job.transport``) are unwrapped; a
-        factory that returns a coroutine (``PSClient.connect`` style) is awaited there.
+        factory that returns a coroutine (an ``async`` factory) is awaited there.
         """
         args = tuple(unwrap(a) for a in args)
         kwargs = {k: unwrap(v) for k, v in kwargs.items()}
@@ -119,7 +119,7 @@ class Job:
 
     def submit(self, coro: Coroutine[Any, Any, T], op: str = "operation") -> Handle[T]:
         """Start ``coro`` on the progress thread; returns a ``Handle`` at once."""
-        return Handle(self.progress.submit(coro), op)
+        return Handle(self.progress.submit(coro), op, self.progress)
 
     # -- lifecycle -----------------------------------------------------------------------
 

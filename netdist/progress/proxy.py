@@ -35,7 +35,7 @@ from typing import Any
 from netdist.collectives.work import Work
 from netdist.types import THREAD_SAFE_ATTRIBUTE
 from netdist.progress.handle import Handle
-from netdist.progress.thread import ProgressThread, wait_future
+from netdist.progress.thread import ProgressThread
 
 __all__ = ["Blocking", "Awaiting", "unwrap"]
 
@@ -90,7 +90,7 @@ class _Proxy:
 
     def _wrap_result(self, value: Any) -> Any:
         if isinstance(value, Work):
-            return Handle(self._progress.submit(_await_work(value)), value.op)
+            return Handle(self._progress.submit(_await_work(value)), value.op, self._progress)
         if _has_coroutine_methods(value):
             return type(self)(value, self._progress)
         return value
@@ -113,12 +113,13 @@ class _Proxy:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             args, kwargs = _unwrap_arguments(args, kwargs)
-            handle = Handle(progress.submit(_resolved(fn(*args, **kwargs))), name)
-            if kwargs.get("async_op"):
-                return handle if flavor is _Flavor.BLOCKING else _ready(handle)
-            if flavor is _Flavor.AWAITING:
-                return handle
-            return self._wrap_result(wait_future(handle._future, None, name))
+            coro = _resolved(fn(*args, **kwargs))
+            if flavor is _Flavor.BLOCKING and not kwargs.get("async_op"):
+                return self._wrap_result(progress.run(coro))
+            handle = Handle(progress.submit(coro), name, progress)
+            if flavor is _Flavor.AWAITING and kwargs.get("async_op"):
+                return _ready(handle)
+            return handle
 
         return call
 

@@ -8,6 +8,22 @@ moving while the caller computes (NumPy and torch release the GIL in large kerne
 the interpreter switches threads every few milliseconds during pure-Python work), as
 Gloo's and Horovod's background threads and MPI's progress engine do.
 
+Who runs the loop. Handing each operation to another thread costs two thread wake-ups
+(wake the loop, then wake the caller), which on a virtual machine is more than a small
+collective itself. So, like an MPI progress engine whose caller drives progress while it
+waits, the loop belongs to whichever thread holds its *baton*:
+
+- while the caller waits in ``run()`` and the loop is free, the caller runs the loop
+  itself (``run_until_complete``): no hand-off at all;
+- when the caller returns, the progress thread leaves the loop to it for ``linger``
+  seconds (a caller issuing operations back to back keeps driving), then takes the loop
+  back and runs it until a caller wants it again;
+- a caller that finds the loop taken hands its operation over (the hop) and the progress
+  thread, having finished it, leaves the loop to the caller for the next one.
+
+Either way only one thread runs the loop at a time, heartbeats and servers never stop
+for longer than ``linger``, and the operations are the same coroutines.
+
 The thread is started by ``start()`` and stopped by ``close()``, which cancels whatever
 is still running on it, lets the cancellations finish (so transports send their BYE),
 closes the loop and joins the thread: nothing is left behind. A thread that the caller
@@ -20,33 +36,42 @@ import asyncio
 import atexit
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from netdist.errors import NetdistTimeoutError, TransportClosedError
 from netdist.progress.loops import LoopFactory, default_loop_factory
 
-__all__ = ["ProgressThread"]
+__all__ = ["ProgressThread", "wait_future", "DEFAULT_LINGER"]
 
 T = TypeVar("T")
 
 _CLOSE_SECONDS = 10.0
 """How long ``close()`` lets cancelled work on the loop wind down before giving up."""
 
+DEFAULT_LINGER = 0.002
+"""Seconds the progress thread leaves the loop to a caller that just used it."""
+
 
 class ProgressThread:
-    """A running event loop on a dedicated thread, for submitting coroutines to.
+    """An event loop on a dedicated thread that callers may also drive (module docstring).
 
     ::
 
         progress = ProgressThread().start()
-        future = progress.submit(transport_coroutine())   # concurrent.futures.Future
+        result = progress.run(transport_coroutine())       # blocks; may drive the loop
+        future = progress.submit(other_coroutine())         # concurrent.futures.Future
         progress.close()
     """
 
     def __init__(self, *, name: str = "netdist-progress",
-                 loop_factory: LoopFactory | None = None) -> None:
+                 loop_factory: LoopFactory | None = None,
+                 linger: float = DEFAULT_LINGER) -> None:
+        if not linger >= 0:
+            raise ValueError(f"linger must be >= 0 seconds, got {linger!r}")
         self.name = name
+        self.linger = linger
         self._loop_factory = loop_factory
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -54,6 +79,16 @@ class ProgressThread:
         self._startup_error: BaseException | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._baton = threading.Lock()
+        """Held by the thread that runs the loop (the progress thread or a caller)."""
+        self._turn = threading.Condition()
+        """Guards ``_caller_active_at``, ``_callers_driving`` and ``_stopping``."""
+        self._caller_active_at = float("-inf")
+        self._callers_driving = 0
+        self._stopping = False
+        self._shutting_down = False
+        self._stop_requested = False
+        """Whether the progress thread's current ``run_forever`` was asked to stop."""
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -82,17 +117,70 @@ class ProgressThread:
             self._ready.set()
             return
         self._loop = loop
-        asyncio.set_event_loop(loop)
         loop.call_soon(self._ready.set)
         try:
-            loop.run_forever()
+            while self._wait_for_turn():
+                if not self._baton.acquire(blocking=False):
+                    continue  # a caller took it meanwhile
+                try:
+                    if not self._callers_idle():
+                        continue  # a caller used it just now: leave it to them a bit longer
+                    self._stop_requested = False
+                    loop.run_forever()
+                finally:
+                    self._baton.release()
         finally:
-            try:
-                loop.run_until_complete(loop.shutdown_asyncgens())
-                loop.run_until_complete(loop.shutdown_default_executor())  # to_thread workers
-            finally:
-                asyncio.set_event_loop(None)
-                loop.close()
+            self._shutting_down = True  # from here on nothing may stop the loop
+            with self._baton:
+                try:
+                    loop.run_until_complete(loop.shutdown_asyncgens())
+                    loop.run_until_complete(loop.shutdown_default_executor())
+                finally:
+                    loop.close()
+
+    def _wait_for_turn(self) -> bool:
+        """Sleep until no caller drives the loop or has for ``linger``; False to stop.
+
+        Never blocks on the baton itself: a caller releasing it must not wake this thread.
+        """
+        with self._turn:
+            while not self._stopping:
+                if self._callers_driving:
+                    self._turn.wait(max(self.linger, 0.001))  # re-checked, never notified
+                    continue
+                remaining = self._caller_active_at + self.linger - time.monotonic()
+                if remaining <= 0:
+                    return True
+                self._turn.wait(remaining)
+            return False
+
+    def _callers_idle(self) -> bool:
+        with self._turn:
+            return self._stopping or (not self._callers_driving and time.monotonic()
+                                      >= self._caller_active_at + self.linger)
+
+    def _try_drive(self) -> bool:
+        """Take the baton for the calling thread if the loop is free (announced first,
+        so the progress thread never mistakes the gap for idleness)."""
+        if asyncio._get_running_loop() is not None:
+            return False
+        with self._turn:
+            self._callers_driving += 1
+        if self._baton.acquire(blocking=False):
+            return True
+        with self._turn:
+            self._callers_driving -= 1
+        return False
+
+    def _end_drive(self) -> None:
+        with self._turn:
+            self._callers_driving -= 1
+            self._caller_active_at = time.monotonic()
+        self._baton.release()
+
+    def _caller_used_loop(self) -> None:
+        with self._turn:
+            self._caller_active_at = time.monotonic()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -107,29 +195,33 @@ class ProgressThread:
         return self._loop is not None and not self._closed
 
     def on_thread(self) -> bool:
-        """True when called from the progress thread itself."""
-        return threading.current_thread() is self._thread
+        """True when called from code the loop is running (on any thread)."""
+        return (threading.current_thread() is self._thread
+                or (self._loop is not None and asyncio._get_running_loop() is self._loop))
 
     def close(self, timeout: float = _CLOSE_SECONDS) -> None:
         """Cancel the work still on the loop, let it finish, stop the loop, join the thread.
 
-        Idempotent and safe to call from any thread but the progress thread itself.
+        Idempotent and safe to call from any thread but the loop's own.
         """
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
             thread, loop = self._thread, self._loop
+            if thread is not None and self.on_thread():
+                raise RuntimeError(f"{self.name}: close() called from the loop's own thread")
+            self._closed = True
         atexit.unregister(self.close)
         if thread is None or loop is None:
             return
-        if threading.current_thread() is thread:
-            raise RuntimeError(f"{self.name}: close() called from the progress thread itself")
         try:
-            asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result(timeout)
-        except (concurrent.futures.TimeoutError, RuntimeError):
+            self._run(loop, _cancel_all(), timeout, "closing the progress thread")
+        except (NetdistTimeoutError, RuntimeError):
             pass  # still stopped below; the thread is a daemon if a task refuses to die
-        loop.call_soon_threadsafe(loop.stop)
+        with self._turn:
+            self._stopping = True
+            self._turn.notify_all()
+        loop.call_soon_threadsafe(self._stop_progress_run)
         thread.join(timeout)
 
     def __enter__(self) -> ProgressThread:
@@ -141,7 +233,11 @@ class ProgressThread:
     # -- running work --------------------------------------------------------------------
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule ``coro`` on the loop; the returned future carries its result."""
+        """Schedule ``coro`` on the loop; the returned future carries its result.
+
+        Whoever runs the loop next runs it: the progress thread, or a caller in ``run()``
+        or ``wait()``.
+        """
         try:
             loop = self.loop
         except BaseException:
@@ -152,19 +248,102 @@ class ProgressThread:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result (or its exception).
 
-        ``timeout`` bounds the wait: on expiry the coroutine is cancelled and
-        ``NetdistTimeoutError`` raised. An interrupt (Ctrl-C) also cancels it.
+        Drives the loop on the calling thread when it is free; otherwise hands ``coro``
+        to the thread running it. ``timeout`` bounds the wait: on expiry the coroutine
+        is cancelled and ``NetdistTimeoutError`` raised. An interrupt (Ctrl-C) also
+        cancels it.
         """
         if self.on_thread():
             coro.close()
-            raise RuntimeError(f"{self.name}: run() would block the progress thread's own "
-                               "loop; await the coroutine there instead")
-        future = self.submit(coro)
-        return wait_future(future, timeout, "the operation")
+            raise RuntimeError(f"{self.name}: run() would block the loop it runs on; "
+                               "await the coroutine there instead")
+        try:
+            loop = self.loop
+        except BaseException:
+            coro.close()
+            raise
+        return self._run(loop, coro, timeout, "the operation")
+
+    def _run(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T],
+             timeout: float | None, what: str) -> T:
+        if self._try_drive():
+            try:
+                return self._drive(loop, coro, timeout, what)
+            finally:
+                self._end_drive()
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
+        future.add_done_callback(self._leave_loop_to_caller)
+        return wait_future(future, timeout, what)
+
+    def _drive(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T],
+               timeout: float | None, what: str) -> T:
+        """Run the loop on this thread until ``coro`` is done (the baton is held)."""
+        task = loop.create_task(coro)
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            task.cancel()
+
+        timer = None if timeout is None else loop.call_later(timeout, expire)
+        try:
+            return _run_until_complete(loop, task)
+        except asyncio.CancelledError:
+            if expired:
+                raise NetdistTimeoutError(f"waiting for {what} timed out after "
+                                          f"{timeout:.2f}s (it was cancelled)") from None
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if not task.done():  # an interrupt: whoever drives next finishes the cancel
+                task.cancel()
+
+    def _leave_loop_to_caller(self, _: object) -> None:
+        """A handed-over operation is done (its caller is being woken): the progress
+        thread stops running the loop, so the caller's next operation drives it."""
+        self._caller_used_loop()
+        self._stop_progress_run()
+
+    def _stop_progress_run(self) -> None:
+        """Make the progress thread's ``run_forever`` return (a no-op anywhere else:
+        a caller driving the loop, or the final shutdown).
+
+        At most once per run: uvloop's ``stop()`` queues a handle, and a second one
+        queued after the first has run would stop the *next* run, whoever drives it.
+        """
+        if (threading.current_thread() is self._thread and not self._shutting_down
+                and not self._stop_requested and self._loop is not None):
+            self._stop_requested = True
+            self._loop.stop()
+
+    def wait(self, future: concurrent.futures.Future[T], timeout: float | None,
+             what: str) -> T:
+        """Wait for a submitted ``future``, driving the loop meanwhile when it is free.
+
+        ``NetdistTimeoutError`` after ``timeout`` seconds; the work keeps running.
+        """
+        loop = self._loop
+        budget = timeout
+        if (not future.done() and loop is not None and not self._closed
+                and not self.on_thread() and self._try_drive()):
+            try:
+                pending = asyncio.wrap_future(future, loop=loop)
+                _run_until_complete(loop, loop.create_task(asyncio.wait([pending],
+                                                                        timeout=timeout)))
+            finally:
+                self._end_drive()
+            budget = 0  # drove for the whole timeout already
+        try:
+            return future.result(budget)
+        except concurrent.futures.TimeoutError:
+            raise NetdistTimeoutError(f"waiting for {what} timed out after {timeout:.2f}s "
+                                      "(the operation is still running)") from None
 
     def call(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
-        """Call the plain function ``fn(*args)`` on the loop's thread and return its result
-        (for code that must run where the loop's objects live, e.g. constructors)."""
+        """Call the plain function ``fn(*args)`` where the loop's objects live (driving
+        the loop, or on the progress thread) and return its result."""
         if self.on_thread():
             return fn(*args)
 
@@ -191,6 +370,18 @@ def wait_future(future: concurrent.futures.Future[T], timeout: float | None,
         if not future.done():  # an interrupt in this thread, not the work's own error
             future.cancel()
         raise
+
+
+def _run_until_complete(loop: asyncio.AbstractEventLoop, task: asyncio.Future[T]) -> T:
+    """``loop.run_until_complete(task)``, run again if a stray ``stop()`` (one queued by an
+    earlier run that was interrupted, under uvloop) ends it before ``task`` is done."""
+    for _ in range(3):
+        try:
+            return loop.run_until_complete(task)
+        except RuntimeError:
+            if task.done():
+                raise
+    return loop.run_until_complete(task)
 
 
 async def _cancel_all() -> None:
