@@ -143,7 +143,10 @@ def test_overlap_through_the_blocking_api_on_progress_threads() -> None:
             assert overlapped.state() == plain.state()
             states.append(overlapped.state())
         assert overlapped.compute_threads == {"netdist-backward"}
-        assert plain.compute_threads == {f"netdist-progress-rank{job.rank}"}
+        # without overlap compute runs where the loop runs: on the progress thread, or
+        # on this thread while it drives the loop itself (netdist.progress.thread)
+        assert plain.compute_threads <= {f"netdist-progress-rank{job.rank}",
+                                         threading.current_thread().name}
         return states
 
     with jobs_of(n) as jobs:
