@@ -21,16 +21,18 @@ def test_a_thread_starts_runs_work_and_is_joined_on_close() -> None:
     progress = ProgressThread(name="netdist-progress-test").start()
     assert progress.running and len(progress_threads()) == 1
 
-    async def where() -> str:
-        return threading.current_thread().name
+    async def loop_running() -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
 
-    assert progress.run(where()) == "netdist-progress-test"
-    assert progress.call(lambda: threading.current_thread().name) == "netdist-progress-test"
+    # run() and call() execute where the loop's objects live: on the progress thread, or
+    # on this thread while it drives the loop itself (the loop is free between calls)
+    assert progress.run(loop_running()) is progress.loop
+    assert progress.call(asyncio.get_running_loop) is progress.loop
     progress.close()
     progress.close()  # idempotent
     assert not progress.running and progress_threads() == []
     with pytest.raises(TransportClosedError):
-        progress.submit(where())
+        progress.submit(loop_running())
 
 
 def test_close_cancels_work_still_running() -> None:
