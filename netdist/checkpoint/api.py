@@ -37,15 +37,18 @@ from netdist.checkpoint.commit import (
     create_staging,
     os_errors,
     scan_root,
+    metadata_generation,
     step_generation,
 )
 from netdist.checkpoint.metadata import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    MAX_METADATA_BYTES,
     METADATA_FILE,
     FileRecord,
     ShardMetadata,
     TensorShardSpec,
+    parse_json,
     parse_step_dir_name,
     rank_file_name,
     step_dir_name,
@@ -56,12 +59,14 @@ from netdist.checkpoint.storage import (
     ShardFile,
     TensorSource,
     check_file_sizes,
+    read_checkpoint_file,
     read_metadata,
     write_bytes_atomic,
     write_safetensors,
 )
 from netdist.errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
@@ -265,9 +270,11 @@ def _manifest_name(rank: int) -> str:
 
 
 def _read_json(path: Path) -> Any:
+    """A small JSON file another rank wrote, read the safe way; None if unreadable."""
     try:
-        return json.loads(path.read_bytes())
-    except (OSError, ValueError, UnicodeDecodeError):
+        return parse_json(read_checkpoint_file(path.parent, path.name,
+                                               max_bytes=MAX_METADATA_BYTES), str(path))
+    except CheckpointError:
         return None
 
 
@@ -340,9 +347,7 @@ def save_distributed(state_dict: Mapping[str, Any], dir: str | os.PathLike[str],
     with os_errors(rank, f"prepare checkpoint {final}"):
         if step is None:
             root.mkdir(parents=True, exist_ok=True)
-            previous = _read_json(root / METADATA_FILE)
-            generation = (previous.get("generation", 0) if isinstance(previous, dict)
-                          else 0) + 1
+            generation = metadata_generation(root) + 1
             directory = root
         else:
             generation = step_generation(root, step) + 1

@@ -51,7 +51,6 @@ import contextlib
 import enum
 import errno
 import fcntl
-import json
 import os
 import re
 import shutil
@@ -64,12 +63,14 @@ from netdist.checkpoint.metadata import (
     LATEST_FILE,
     METADATA_FILE,
     ShardMetadata,
+    parse_json,
     parse_step_dir_name,
     step_dir_name,
 )
 from netdist.checkpoint.storage import (
     fsync_dir,
     is_temp_name,
+    read_metadata_text,
     remove_tree_atomic,
     write_bytes_atomic,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "scan_root",
     "find_step",
     "step_generation",
+    "metadata_generation",
     "create_staging",
     "tidy_root",
     "commit_step",
@@ -245,11 +247,17 @@ def find_step(root: str | os.PathLike[str], step: int) -> Path | None:
 def step_generation(root: str | os.PathLike[str], step: int) -> int:
     """The ``generation`` of step ``step``'s checkpoint, 0 if there is none."""
     directory = find_step(root, step)
-    if directory is None:
-        return 0
+    return 0 if directory is None else metadata_generation(directory)
+
+
+def metadata_generation(directory: str | os.PathLike[str]) -> int:
+    """The ``generation`` recorded in ``directory/metadata.json``; 0 if it is missing or
+    unreadable. Read the safe way: a FIFO or a hostile document never blocks or crashes
+    the save that asks."""
     try:
-        document = json.loads((directory / METADATA_FILE).read_bytes())
-    except (OSError, ValueError, UnicodeDecodeError):
+        document = parse_json(read_metadata_text(directory),
+                              str(Path(directory) / METADATA_FILE))
+    except CheckpointError:
         return 0
     value = document.get("generation", 0) if isinstance(document, dict) else 0
     return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -380,3 +380,18 @@ def test_malformed_metadata_is_corrupt_naming_the_file(ck: Path, edit: Any, need
     assert needle in str(info.value)
     with pytest.raises(CheckpointCorruptError, match="metadata.json"):
         load_distributed(ck, 0, 2)
+
+
+@pytest.mark.parametrize("step", [None, 3])
+def test_a_save_over_a_fifo_metadata_does_not_block(tmp_path: Path, step: int | None) -> None:
+    # the saver reads the previous metadata (its generation) and the other ranks'
+    # manifests: through the safe reader, so a FIFO there cannot block it
+    root = tmp_path / "root"
+    target = root if step is None else root / f"step_{step:08d}"
+    target.mkdir(parents=True)
+    os.mkfifo(target / METADATA_FILE)
+    meta = flat_shard_metadata(FULL, 1)
+    result = save_distributed(FULL, root, 0, 1, meta, step=step)
+    assert result.committed
+    loaded = load_distributed(root, 0, 1, step=step)
+    assert all(loaded[k].tobytes() == v.tobytes() for k, v in FULL.items())
