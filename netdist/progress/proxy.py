@@ -2,14 +2,15 @@
 
 ``Blocking(obj, progress)`` stands for ``obj`` (a ``Group``, ``PSClient``, ``FSDP``,
 aggregator, ``AsyncCheckpointer``, or a module such as ``netdist.checkpoint``) whose
-coroutines run on the ``ProgressThread``. There is one implementation of every operation,
-the asyncio one; this proxy only decides where it runs and how the caller waits:
+coroutines run on the ``ProgressThread``'s loop (driven by the waiting caller when it is
+free, else by the progress thread). There is one implementation of every operation, the
+asyncio one; this proxy only decides where it runs and how the caller waits:
 
 - an ``async def`` method becomes a blocking method with the same arguments that returns
   the coroutine's result; with ``async_op=True`` it returns a ``Handle`` at once
   (``wait()``, ``done()``, awaitable from any loop) whose result is the operation's;
-- a plain method runs on the progress thread too (the object's asyncio state lives
-  there) and its result is returned;
+- a plain method runs where the loop runs too (the object's asyncio state lives there)
+  and its result is returned;
 - results and attributes that are themselves netdist objects with coroutine methods
   (a subgroup from ``new_group``, a ``Work``) come back wrapped the same way;
 - proxies passed as arguments are unwrapped, so ``save(state, path, group=job.group)``
