@@ -9,12 +9,17 @@ coordinator port 0 prints ``COORDINATOR host:port`` once it is bound. Modes:
 - ``stop``: after one all-reduce both print ``READY <pid>``; rank 1 then blocks on stdin
   (the test SIGSTOPs it) while rank 0 waits in an all-reduce and prints
   ``LOST <error type>: <message>`` when the transport gives up on rank 1.
+- ``interrupt``: after ``READY <pid>`` rank 0 blocks in a receive and SIGINTs itself
+  once its main thread is inside it (Ctrl-C), prints ``INTERRUPTED`` and leaves (exit
+  130); rank 1, waiting on rank 0, prints ``LOST ...``.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -62,6 +67,8 @@ def main(argv: list[str]) -> int:
             say(f"DONE {float(total.sum())}")
             return 0
         say(f"READY {os.getpid()}")
+        if mode == "interrupt":
+            return interrupted(job)
         if job.rank == 1:
             sys.stdin.readline()
             return 0
@@ -71,6 +78,49 @@ def main(argv: list[str]) -> int:
             say(f"LOST {type(exc).__name__}: {exc}")
             return 3
         return 0
+
+
+def interrupt_when_blocked() -> None:
+    """SIGINT this process (Ctrl-C) once its main thread is inside a blocking netdist
+    call: polls the main thread's stack (bounded), so the signal lands in the call."""
+    main = threading.main_thread().ident
+    assert main is not None
+    deadline = time.monotonic() + 60
+
+    def blocked() -> bool:
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            if frame.f_code.co_filename.endswith(("progress/thread.py", "progress/handle.py")):
+                return True
+            frame = frame.f_back
+        return False
+
+    def watch() -> None:
+        while time.monotonic() < deadline and not blocked():
+            time.sleep(0.01)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def interrupted(job: Job) -> int:
+    """Rank 0 blocks in a receive nobody answers until it is interrupted (SIGINT, as
+    Ctrl-C sends); rank 1 waits on rank 0 and must learn that rank 0 went away."""
+    if job.rank == 0:
+        try:
+            interrupt_when_blocked()
+            job.group.recv(1, tag=5)
+        except KeyboardInterrupt as exc:
+            say("INTERRUPTED")
+            job.close(exc)
+            return 130
+        return 0
+    try:
+        job.group.recv(0, tag=6)
+    except NetdistError as exc:
+        say(f"LOST {type(exc).__name__}: {exc}")
+        return 3
+    return 0
 
 
 if __name__ == "__main__":

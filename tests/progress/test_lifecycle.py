@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import socket
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -140,4 +142,25 @@ def test_a_job_left_on_an_exception_tells_its_peers_whom_to_blame() -> None:
             waiting.wait(JOIN_SECONDS)
     assert caught.value.origin_rank == 0
     assert "boom in step 3" in str(caught.value)
+    assert progress_threads() == []
+
+
+def test_two_caller_threads_share_one_job() -> None:
+    # e.g. a training loop and a hook thread: one drives the loop, the other's operations
+    # are handed over or run by whichever thread drives; each subgroup keeps its order
+    def rank_body(job: Job) -> tuple[list[float], list[float]]:
+        first, second = job.group.new_group([0, 1]), job.group.new_group([0, 1])
+
+        def use(group: Any, base: float) -> list[float]:
+            return [float(group.all_reduce(np.full(3, base + i))[0]) for i in range(40)]
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            a = pool.submit(use, first, 1.0)
+            b = pool.submit(use, second, 100.0)
+            return a.result(JOIN_SECONDS), b.result(JOIN_SECONDS)
+
+    with jobs_of(2) as jobs:
+        results = on_every_rank(jobs, rank_body)
+    expected = ([2 * (1.0 + i) for i in range(40)], [2 * (100.0 + i) for i in range(40)])
+    assert results == [expected, expected]
     assert progress_threads() == []

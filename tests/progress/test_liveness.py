@@ -93,3 +93,17 @@ def test_a_sigstopped_rank_is_reported_by_name_from_the_liveness_window() -> Non
     assert lost.startswith("PeerLostError")
     assert "rank 1" in lost
     assert "presumed dead" in lost  # the heartbeat window fired, not the 600 s timeout
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_in_a_blocking_call_interrupts_it_and_the_peer_is_told() -> None:
+    with two_ranks(["interrupt"], NETDIST_TIMEOUT="600") as procs:
+        assert procs[0].stdout is not None and procs[1].stdout is not None
+        read_line(procs[0].stdout, "READY ")  # then it interrupts itself once blocked
+        read_line(procs[1].stdout, "READY ")
+        read_line(procs[0].stdout, "INTERRUPTED")
+        lost = read_line(procs[1].stdout, "LOST ")
+        assert procs[0].wait(WAIT) == 130
+        assert procs[1].wait(WAIT) == 3
+    assert lost.startswith("PeerLostError") and "rank 0" in lost
+    assert "KeyboardInterrupt" in lost  # rank 0 said why it left
