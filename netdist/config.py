@@ -269,7 +269,9 @@ class DistributedConfig:
         """Build a config from the environment; keyword ``overrides`` win over everything.
 
         Precedence: overrides, then ``NETDIST_*``, then torchrun / PyTorchJob
-        (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), Slurm
+        (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; under torchrun,
+        recognised by ``TORCHELASTIC_RUN_ID``, the coordinator takes ``MASTER_PORT + 1``
+        because torchrun's store listens on ``MASTER_PORT``), Slurm
         (``SLURM_PROCID``, ``SLURM_NTASKS``), Open MPI (``OMPI_COMM_WORLD_RANK``,
         ``OMPI_COMM_WORLD_SIZE``) and Kubernetes indexed Jobs (``JOB_COMPLETION_INDEX``).
         """
@@ -292,7 +294,15 @@ class DistributedConfig:
             port = _int_from(env, "MASTER_PORT")
             if port is not None and not 0 <= port <= 65535:
                 raise ConfigError(f"MASTER_PORT={port} is out of range 0..65535")
-            values["coordinator"] = (env["MASTER_ADDR"], DEFAULT_PORT if port is None else port)
+            port = DEFAULT_PORT if port is None else port
+            if _first(env, "TORCHELASTIC_RUN_ID") is not None:
+                # torchrun's own store already listens on MASTER_PORT: take the next one
+                if port >= 65535:
+                    raise ConfigError(f"under torchrun netdist's coordinator takes MASTER_PORT"
+                                      f" + 1, and MASTER_PORT={port} has none; set "
+                                      "NETDIST_COORDINATOR")
+                port += 1
+            values["coordinator"] = (env["MASTER_ADDR"], port)
 
         for key, var in (("job_id", "NETDIST_JOB_ID"), ("token", "NETDIST_TOKEN"),
                          ("advertise_addr", "NETDIST_ADVERTISE_ADDR"),

@@ -12,6 +12,8 @@ environment ``netdist.init()`` reads::
                                        environment, else generated (never printed)
     NETDIST_RESTART_COUNT              0 on the first start, k on the k-th restart
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE   for torch-style code
+    MASTER_ADDR, MASTER_PORT           for torch.distributed: the coordinator's host and
+                                       another free port (unless already set)
     PYTHONUNBUFFERED=1                 unless already set, so Python ranks' output is live
 
 Stdin of every child is /dev/null (the ranks run in their own process groups, so they
@@ -164,6 +166,17 @@ def _free_port(host: str, avoid: int | None) -> int:
         if port != avoid:
             break
     return port
+
+
+def _set_torch_master(attempt_env: dict[str, str], base_env: Mapping[str, str],
+                      coordinator: str) -> None:
+    """``MASTER_ADDR`` / ``MASTER_PORT`` for torch.distributed code in the ranks: the
+    coordinator's host and a second free port, never netdist's own coordinator port
+    (torch's store listens on MASTER_PORT). Values the caller set are kept."""
+    host, port = parse_host_port(coordinator, what="coordinator")
+    attempt_env["MASTER_ADDR"] = base_env.get("MASTER_ADDR") or host
+    if not base_env.get("MASTER_PORT"):
+        attempt_env["MASTER_PORT"] = str(_free_port("127.0.0.1", avoid=port))
 
 
 def _signal_group(pid: int, signum: int) -> None:
@@ -737,6 +750,7 @@ def launch(
             attempt_env = dict(base_env)
             attempt_env["NETDIST_COORDINATOR"] = address
             attempt_env["NETDIST_RESTART_COUNT"] = str(restart)
+            _set_torch_master(attempt_env, base_env, address)
             outcome = _Attempt(cmd=cmd, nprocs=nprocs, env=attempt_env,
                                prefix_output=prefix_output, deadline=deadline,
                                timeout=timeout, grace_period=grace_period, wakeup=wakeup,

@@ -290,3 +290,14 @@ def test_no_warning_for_a_long_token_or_none(token: str | None) -> None:
         warnings.simplefilter("error")
         config = DistributedConfig(rank=0, world_size=2, token=token)
         config.replace(rank=1)
+
+
+def test_under_torchrun_the_coordinator_takes_the_port_after_the_store() -> None:
+    base = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+    assert DistributedConfig.from_env(base).coordinator == ("node0", 29500)
+    torchrun = dict(base, TORCHELASTIC_RUN_ID="abc")
+    assert DistributedConfig.from_env(torchrun).coordinator == ("node0", 29501)
+    mine = dict(torchrun, NETDIST_COORDINATOR="node0:7000")
+    assert DistributedConfig.from_env(mine).coordinator == ("node0", 7000)
+    with pytest.raises(ConfigError, match="MASTER_PORT=65535 has none"):
+        DistributedConfig.from_env(dict(torchrun, MASTER_PORT="65535"))

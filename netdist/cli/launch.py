@@ -12,7 +12,8 @@ __all__ = ["add_parser", "run"]
 _EPILOG = """\
 each rank gets NETDIST_RANK, NETDIST_WORLD_SIZE, NETDIST_COORDINATOR, NETDIST_JOB_ID,
 NETDIST_TOKEN (kept from the environment or generated; never printed),
-NETDIST_RESTART_COUNT, and RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE.
+NETDIST_RESTART_COUNT, RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE, and
+MASTER_ADDR / MASTER_PORT for torch.distributed (a port that is not the coordinator's).
 
 when a rank fails the others are stopped, and a summary at the end names the rank that
 went away first (failed, exited 0 while others still ran, or was stopped) with its own
