@@ -20,8 +20,6 @@ import concurrent.futures
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from netdist.errors import NetdistTimeoutError
-
 if TYPE_CHECKING:
     from netdist.progress.thread import ProgressThread
 
@@ -36,7 +34,7 @@ class Handle(Generic[T]):
     __slots__ = ("_future", "op", "_progress")
 
     def __init__(self, future: concurrent.futures.Future[T], op: str,
-                 progress: ProgressThread | None = None) -> None:
+                 progress: ProgressThread) -> None:
         self._future = future
         self.op = op
         """What is running, e.g. ``"all_reduce"``."""
@@ -52,16 +50,8 @@ class Handle(Generic[T]):
         ``NetdistTimeoutError`` if ``timeout`` seconds pass first; the operation keeps
         running. An interrupt (Ctrl-C) in the waiting thread cancels the operation.
         """
-        try:
-            if self._progress is not None:  # drives the loop while waiting when it is free
-                return self._progress.wait(self._future, timeout, self.op)
-            return self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            if self._future.done():
-                return self._future.result()
-            raise NetdistTimeoutError(
-                f"waiting for {self.op} timed out after {timeout:.2f}s "
-                "(the operation is still running)") from None
+        try:  # drives the loop while waiting, when it is free
+            return self._progress.wait(self._future, timeout, self.op)
         except KeyboardInterrupt:
             self._future.cancel()
             raise

@@ -28,7 +28,7 @@ from netdist.collectives.group import Group
 from netdist.config import DistributedConfig
 from netdist.progress.handle import Handle
 from netdist.progress.loops import LoopFactory
-from netdist.progress.proxy import Awaiting, Blocking, unwrap
+from netdist.progress.proxy import Awaiting, Blocking, unwrap, unwrap_arguments
 from netdist.progress.thread import ProgressThread
 from netdist.transport.rendezvous import OnCoordinatorReady
 from netdist.transport.tcp import TcpTransport
@@ -94,8 +94,7 @@ class Job:
         Proxies among the arguments (``job.group``, ``job.transport``) are unwrapped; a
         factory that returns a coroutine (an ``async`` factory) is awaited there.
         """
-        args = tuple(unwrap(a) for a in args)
-        kwargs = {k: unwrap(v) for k, v in kwargs.items()}
+        args, kwargs = unwrap_arguments(args, kwargs)
 
         async def build() -> Any:
             made = factory(*args, **kwargs)

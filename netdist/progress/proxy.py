@@ -38,7 +38,7 @@ from netdist.types import THREAD_SAFE_ATTRIBUTE
 from netdist.progress.handle import Handle
 from netdist.progress.thread import ProgressThread
 
-__all__ = ["Blocking", "Awaiting", "unwrap"]
+__all__ = ["Blocking", "Awaiting", "unwrap", "unwrap_arguments"]
 
 
 class _Flavor(enum.Enum):
@@ -49,7 +49,7 @@ class _Flavor(enum.Enum):
 class _Proxy:
     """Shared machinery of ``Blocking`` and ``Awaiting`` (see the module docstring)."""
 
-    __slots__ = ("_target", "_progress", "_flavor")
+    __slots__ = ("_target", "_progress")
     _FLAVOR = _Flavor.BLOCKING
 
     def __init__(self, target: Any, progress: ProgressThread) -> None:
@@ -101,7 +101,7 @@ class _Proxy:
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            args, kwargs = _unwrap_arguments(args, kwargs)
+            args, kwargs = unwrap_arguments(args, kwargs)
             return self._wrap_result(progress.call(functools.partial(fn, *args, **kwargs)))
 
         return call
@@ -113,7 +113,7 @@ class _Proxy:
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            args, kwargs = _unwrap_arguments(args, kwargs)
+            args, kwargs = unwrap_arguments(args, kwargs)
             coro = _resolved(fn(*args, **kwargs))
             if flavor is _Flavor.BLOCKING and not kwargs.get("async_op"):
                 return self._wrap_result(progress.run(coro))
@@ -150,7 +150,7 @@ class Awaiting(_Proxy):
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
-        await Handle(self._progress.submit(_close(self._target)), "close")
+        await Handle(self._progress.submit(_close(self._target)), "close", self._progress)
 
 
 async def _close(target: Any) -> None:
@@ -167,8 +167,9 @@ def unwrap(value: Any) -> Any:
     return value._target if isinstance(value, _Proxy) else value
 
 
-def _unwrap_arguments(args: tuple[Any, ...],
-                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def unwrap_arguments(args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` with every proxy replaced by the object it stands for."""
     return (tuple(unwrap(a) for a in args), {k: unwrap(v) for k, v in kwargs.items()})
 
 
