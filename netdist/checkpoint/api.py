@@ -35,9 +35,10 @@ import numpy as np
 from netdist.checkpoint.commit import (
     commit_step,
     create_staging,
+    find_step,
+    metadata_generation,
     os_errors,
     scan_root,
-    metadata_generation,
     step_generation,
 )
 from netdist.checkpoint.metadata import (
@@ -207,8 +208,7 @@ def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None) ->
     path = Path(path)
     if step is not None:
         step_dir_name(step)  # validates
-        scan = scan_root(path)
-        found = scan.committed.get(step) or scan.recoverable.get(step)
+        found = find_step(path, step)
         if found is None:
             raise CheckpointNotFoundError(f"no complete checkpoint for step {step} in {path}")
         return found

@@ -352,9 +352,9 @@ def _rotate(scan: RootScan, current: int, keep_last: int | None) -> None:
     """Delete complete checkpoints but the ``keep_last`` newest and ``current``."""
     if keep_last is None:
         return
-    steps = [step for step, _ in scan.complete()]
-    keep = set(steps[-keep_last:]) | {current}
-    for step, path in scan.complete():
+    complete = scan.complete()
+    keep = {step for step, _ in complete[-keep_last:]} | {current}
+    for step, path in complete:
         if step not in keep:
             remove_tree_atomic(path)
 

@@ -189,6 +189,27 @@ def _inside(directory: Path, path: Path) -> Path:
     return real
 
 
+def _stat_checkpoint_file(directory: Path, name: str) -> tuple[Path, Path, os.stat_result]:
+    """``(path, resolved path, lstat)`` of checkpoint file ``name``, with the checks
+    ``open_checkpoint_file`` documents (plain name, inside ``directory``, regular file);
+    nothing is opened."""
+    try:
+        check_file_name(name)
+    except ValueError as exc:
+        raise CheckpointCorruptError(f"{directory}: {exc}") from None
+    path = directory / name
+    real = _inside(directory, path)
+    try:
+        status = os.lstat(real)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"checkpoint file {path} is missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot open {path}: {exc.strerror}") from exc
+    if not stat.S_ISREG(status.st_mode):
+        raise CheckpointCorruptError(f"{path} is {_kind(status.st_mode)}, not a regular file")
+    return path, real, status
+
+
 def open_checkpoint_file(directory: str | os.PathLike[str], name: str) -> int:
     """Open the checkpoint file ``name`` of ``directory`` read-only; return the descriptor.
 
@@ -201,21 +222,7 @@ def open_checkpoint_file(directory: str | os.PathLike[str], name: str) -> int:
     a name or file that does not belong, ``CheckpointError`` for other OS errors, each
     naming the path.
     """
-    directory = Path(directory)
-    try:
-        check_file_name(name)
-    except ValueError as exc:
-        raise CheckpointCorruptError(f"{directory}: {exc}") from None
-    path = directory / name
-    real = _inside(directory, path)
-    try:
-        before = os.lstat(real)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"checkpoint file {path} is missing") from None
-    except OSError as exc:
-        raise CheckpointError(f"cannot open {path}: {exc.strerror}") from exc
-    if not stat.S_ISREG(before.st_mode):
-        raise CheckpointCorruptError(f"{path} is {_kind(before.st_mode)}, not a regular file")
+    path, real, before = _stat_checkpoint_file(Path(directory), name)
     nonblock = getattr(os, "O_NONBLOCK", 0)
     flags = os.O_RDONLY | nonblock | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
@@ -281,18 +288,15 @@ def check_file_sizes(directory: str | os.PathLike[str], metadata: ShardMetadata,
 
     Readers size their buffers from the metadata's shapes, which ``check_committed``
     bounds by the recorded file sizes; checking those against the files themselves
-    (opened the safe way, one ``fstat`` each) before anything is allocated means a forged
-    or truncated checkpoint costs no more memory than its files hold.
+    (one ``lstat`` each, with the safe opener's checks; the reader opens them later)
+    before anything is allocated means a forged or truncated checkpoint costs no more
+    memory than its files hold.
     """
     wanted = set(ranks)
     for record in metadata.files:
         if record.rank not in wanted:
             continue
-        fd = open_checkpoint_file(directory, record.name)
-        try:
-            actual = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
+        actual = _stat_checkpoint_file(Path(directory), record.name)[2].st_size
         if actual != record.size:
             raise CheckpointCorruptError(
                 f"{Path(directory) / record.name} holds {actual} bytes but the metadata "

@@ -121,11 +121,9 @@ class _ProgressLine:
         if self._state is None:
             return
         elapsed = self._clock() - self._started
-        if self.interactive:
-            self.stream.write(f"\r{self._text(*self._state)}  {elapsed:.1f} s\n")
-            self._open = False
-        else:
-            self.stream.write(f"{self._text(*self._state)}  {elapsed:.1f} s\n")
+        redraw = "\r" if self.interactive else ""
+        self.stream.write(f"{redraw}{self._text(*self._state)}  {elapsed:.1f} s\n")
+        self._open = False
         self.stream.flush()
         self._state = None
 
