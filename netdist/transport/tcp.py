@@ -323,7 +323,7 @@ class TcpTransport(Transport):
     async def _monitor(self) -> None:
         """Heartbeats on idle connections; silence beyond the limit fails the peer."""
         interval = self.config.heartbeat_interval
-        limit = interval * self.config.heartbeat_misses
+        limit = self.config.liveness_window
         tick = interval / 4
         loop = self._loop
         responsive_since = loop.time()

@@ -216,12 +216,7 @@ class FrameDecoder:
         self._cache.clear()   # headers validated under the old limits
         self._hlen = -1       # re-read (and re-check) a prefix already parsed
         if scratch_bytes is not None and scratch_bytes > len(self._scratch):
-            start, end = self._start, self._end
-            grown = bytearray(scratch_bytes)
-            grown[:end - start] = self._mv[start:end]
-            self._scratch = grown
-            self._mv = memoryview(grown)
-            self._start, self._end = 0, end - start
+            self._make_room(scratch_bytes)
             self._min_tail = max(PREFIX_SIZE, scratch_bytes // 4)
 
     # -- introspection -----------------------------------------------------------------
