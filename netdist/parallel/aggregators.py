@@ -461,11 +461,6 @@ class OverlapSession:
         """How many buckets' all-reduces have been launched so far (in plan order)."""
         return self._launched
 
-    @property
-    def num_gradients(self) -> int:
-        """How many gradients the session was begun with."""
-        return len(self._layout)
-
     @thread_safe
     def ready(self, index: int, grad: np.ndarray | None = None) -> None:
         """Mark gradient ``index`` final; ``grad`` defaults to ``like[index]``.

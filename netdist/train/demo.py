@@ -68,12 +68,13 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from netdist.compression.topk import TopKCompressor
 from netdist.errors import ConfigError
+from netdist.launch_report import rank_list
 from netdist.parallel.aggregators import (
     AllReduceAggregator,
     Fp16AllReduceAggregator,
@@ -455,9 +456,7 @@ class _TimedOverlap:
         return await self.timed.aggregate(grads)
 
     def begin(self, like: Sequence[np.ndarray]) -> Any:
-        inner = self.timed.inner
-        if not isinstance(inner, OverlapAggregator):  # for_step() checked this
-            raise ConfigError("the demo's aggregator cannot overlap")
+        inner = cast(OverlapAggregator, self.timed.inner)  # for_step() checked it
         return _TimedSession(inner.begin(like), self.timed)
 
 
@@ -535,9 +534,7 @@ async def _check_checkpoint_dir(group: Group, directory: str, timeout: float | N
         if text:
             by_problem.setdefault(str(text), []).append(rank)
     if by_problem:
-        parts = [f"{'rank' if len(ranks) == 1 else 'ranks'} "
-                 f"{', '.join(str(r) for r in ranks)}: {text}"
-                 for text, ranks in by_problem.items()]
+        parts = [f"{rank_list(ranks)}: {text}" for text, ranks in by_problem.items()]
         raise ConfigError(f"checkpoint directory unusable on {'; '.join(parts)}")
 
 
@@ -664,6 +661,7 @@ async def _train(group: Group, config: DemoConfig, dataset: Dataset, model: Sequ
     if path.aggregator is None or path.apply is None:
         raise ConfigError(f"update path for {config.aggregator} has no aggregator")
     timed = _TimedAggregator(path.aggregator)
+    step_aggregator = timed.for_step()
     rank, world = path.data_rank, path.data_world
     num_train = len(dataset.x_train)
     steps_per_epoch = -(-(num_train // world) // config.batch_size)
@@ -747,7 +745,7 @@ async def _train(group: Group, config: DemoConfig, dataset: Dataset, model: Sequ
 
             # compute runs in a worker thread (the loop keeps moving bytes and heartbeats)
             # and each gradient bucket is all-reduced as soon as backward has filled it
-            losses.append(await distributed_train_step(compute, path.apply, timed.for_step(),
+            losses.append(await distributed_train_step(compute, path.apply, step_aggregator,
                                                        overlap=True, params=params))
             samples += len(batch)
             step += 1
