@@ -20,6 +20,8 @@ __all__ = [
     "dtype_to_wire",
     "dtype_from_wire",
     "reduce_into",
+    "combine",
+    "check_reduce_dtype",
 ]
 
 
@@ -31,6 +33,33 @@ class ReduceOp(enum.Enum):
     MAX = "max"
     MIN = "min"
     PROD = "prod"
+    BAND = "band"
+    """Bitwise and (logical and for bool); integer and bool dtypes only."""
+    BOR = "bor"
+    """Bitwise or (logical or for bool); integer and bool dtypes only."""
+    BXOR = "bxor"
+    """Bitwise exclusive or (logical xor for bool); integer and bool dtypes only."""
+
+    @property
+    def is_bitwise(self) -> bool:
+        """True for BAND, BOR and BXOR, which are defined for integers and bool only."""
+        return self in _BITWISE_OPS
+
+
+_BITWISE_OPS = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
+
+
+def check_reduce_dtype(op: ReduceOp, dtype: np.dtype[Any], what: str) -> None:
+    """Raise ``TypeError`` when ``op`` is undefined for ``dtype``.
+
+    MEAN needs a floating dtype (an integer mean would silently truncate); the bitwise
+    ops need an integer or bool dtype.
+    """
+    if op is ReduceOp.MEAN and dtype.kind != "f" and dtype.name != "bfloat16":
+        raise TypeError(f"{what} MEAN needs a floating dtype, got {dtype.name} "
+                        "(reduce with SUM and divide as you see fit)")
+    if op in _BITWISE_OPS and dtype.kind not in "iub":
+        raise TypeError(f"{what} {op.name} needs an integer or bool dtype, got {dtype.name}")
 
 
 def _bfloat16() -> np.dtype[Any] | None:
@@ -79,6 +108,9 @@ _BINARY_UFUNC: dict[ReduceOp, Callable[..., Any]] = {
     ReduceOp.MAX: np.maximum,
     ReduceOp.MIN: np.minimum,
     ReduceOp.PROD: np.multiply,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
 }
 
 
@@ -91,6 +123,11 @@ def reduce_into(op: ReduceOp, acc: np.ndarray, incoming: np.ndarray) -> None:
     if acc.shape != incoming.shape:
         raise ValueError(f"cannot reduce shape {incoming.shape} into shape {acc.shape}")
     _BINARY_UFUNC[op](acc, incoming, out=acc)
+
+
+def combine(op: ReduceOp, low: np.ndarray, high: np.ndarray, out: np.ndarray) -> None:
+    """``out = low (op) high`` with a fixed operand order, so every rank gets equal bits."""
+    _BINARY_UFUNC[op](low, high, out=out)
 
 
 THREAD_SAFE_ATTRIBUTE = "__netdist_thread_safe__"

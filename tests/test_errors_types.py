@@ -222,5 +222,6 @@ def test_reduce_into_multidimensional_in_place() -> None:
 
 
 def test_reduce_op_values() -> None:
-    assert [op.value for op in ReduceOp] == ["sum", "mean", "max", "min", "prod"]
+    assert [op.value for op in ReduceOp] == ["sum", "mean", "max", "min", "prod",
+                                             "band", "bor", "bxor"]
     assert ReduceOp("max") is ReduceOp.MAX

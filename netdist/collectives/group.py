@@ -41,8 +41,9 @@ lower rank first everywhere.
 Reduction semantics. ``SUM``/``PROD`` wrap around on integer overflow (NumPy semantics).
 ``MEAN`` sums, then divides once by the group size; it is defined for floating dtypes only
 (``float16/32/64``, ``bfloat16``) and raises ``TypeError`` for integers and bool, since an
-integer mean would silently truncate. For ``bool``: ``SUM`` and ``MAX`` are logical or,
-``PROD`` and ``MIN`` logical and.
+integer mean would silently truncate. ``BAND``/``BOR``/``BXOR`` are bitwise and defined
+for integers and bool only. For ``bool``: ``SUM`` and ``MAX`` are logical or, ``PROD`` and
+``MIN`` logical and.
 
 Failure. Each collective has one deadline, ``timeout`` (default: the group's, which
 defaults to the transport's). A lost peer raises ``PeerLostError``, an expired deadline
@@ -77,6 +78,7 @@ from netdist.collectives.ring import (
 )
 from netdist.collectives.plan import offsets_from_sizes
 from netdist.collectives.small import (
+    all_to_all_exchange,
     bruck_all_gather,
     bruck_all_gather_blobs,
     dissemination_barrier,
@@ -99,7 +101,7 @@ from netdist.errors import (
 )
 from netdist.sharding import chunk_bounds
 from netdist.transport.base import Transport
-from netdist.types import WIRE_DTYPES, ReduceOp, dtype_to_wire
+from netdist.types import WIRE_DTYPES, ReduceOp, check_reduce_dtype, dtype_to_wire
 
 __all__ = [
     "Group",
@@ -136,8 +138,6 @@ _SEQ_MASK = (1 << 17) - 1
 _PROBE_TAG = P2P_TAG_LIMIT  # just above the application's p2p tags: never sent on
 _PROBE_SECONDS = 0.02
 
-_FLOAT_DTYPES = frozenset(WIRE_DTYPES[name] for name in
-                          ("float16", "float32", "float64", "bfloat16") if name in WIRE_DTYPES)
 _WIRE_DTYPE_SET = frozenset(WIRE_DTYPES.values())
 
 T = TypeVar("T")
@@ -280,13 +280,18 @@ class Group:
 
     # -- subgroups -----------------------------------------------------------------------
 
-    def new_group(self, ranks: Sequence[int]) -> Group:
+    def new_group(self, ranks: Sequence[int], *, name: str | None = None) -> Group:
         """Make a subgroup of the given *group* ranks, in the given order.
 
-        Every member of this group must call ``new_group`` with the same ranks in the same
-        order (even ranks that are not in the subgroup: it advances the counter that makes
-        group ids agree). Ranks outside the subgroup get a group with ``is_member`` False
-        whose collectives raise ``NotInGroupError``.
+        Without ``name``, every member of this group must call ``new_group`` with the same
+        ranks in the same order (even ranks that are not in the subgroup: it advances the
+        counter that makes group ids agree). Ranks outside the subgroup get a group with
+        ``is_member`` False whose collectives raise ``NotInGroupError``.
+
+        With ``name`` (a string every member of the subgroup agrees on, such as
+        ``torch.distributed``'s group name), the id comes from the name and the ranks
+        alone: only the subgroup's members need to call, in any order relative to other
+        subgroups. Two live subgroups must not share a name.
         """
         self._check_member("new_group")
         if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
@@ -303,11 +308,14 @@ class Group:
         if len(set(members)) != len(members):
             dups = sorted({r for r in members if members.count(r) > 1})
             raise ValueError(f"new_group: duplicate ranks {dups} in {members}")
-        index = self._children
-        self._children += 1
+        if name is None:
+            gid = _group_id("child", self._gid, self._children, tuple(members))
+            self._children += 1
+        else:
+            gid = _group_id("named", self._gid, str(name), tuple(members))
         child = Group.__new__(Group)
-        child._setup(self._transport, tuple(self._ranks[r] for r in members),
-                     _group_id("child", self._gid, index, tuple(members)), self._timeout,
+        child._setup(self._transport, tuple(self._ranks[r] for r in members), gid,
+                     self._timeout,
                      self.small_message_bytes, self.segment_bytes, self.pipeline_depth)
         self._subgroups.append(child)
         return child
@@ -474,9 +482,7 @@ class Group:
         self._check_member("all_reduce")
         op = _as_op(op)
         _check_array(array, "all_reduce", writeable=True)
-        if op is ReduceOp.MEAN and array.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"all_reduce MEAN needs a floating dtype, got {array.dtype.name} "
-                            "(reduce with SUM and divide as you see fit)")
+        check_reduce_dtype(op, array.dtype, "all_reduce")
         work, flat = self._flat(array)
         n = self.world_size
 
@@ -510,8 +516,7 @@ class Group:
         self._check_member("reduce_scatter")
         op = _as_op(op)
         _check_array(array, "reduce_scatter")
-        if op is ReduceOp.MEAN and array.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"reduce_scatter MEAN needs a floating dtype, got {array.dtype.name}")
+        check_reduce_dtype(op, array.dtype, "reduce_scatter")
         _, flat = self._flat(array)
         n = self.world_size
         lo, hi = chunk_bounds(flat.size, n)[self._rank]
@@ -661,8 +666,7 @@ class Group:
         dst = self._peer(dst, "reduce dst")
         op = _as_op(op)
         _check_array(array, "reduce", writeable=self._rank == dst)
-        if op is ReduceOp.MEAN and array.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"reduce MEAN needs a floating dtype, got {array.dtype.name}")
+        check_reduce_dtype(op, array.dtype, "reduce")
         work, flat = self._flat(array)
         n = self.world_size
         root = self._rank == dst
@@ -740,6 +744,38 @@ class Group:
             return await linear_scatter(chan, payloads, src)
 
         return await self._submit("scatter", body, timeout, async_op)
+
+    async def all_to_all(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray], *,
+                         timeout: float | None = None, async_op: bool = False) -> Any:
+        """Send ``inputs[j]`` to group rank ``j`` and receive group rank ``j``'s array for
+        this rank into ``outputs[j]``; returns ``outputs``.
+
+        Each rank passes one input and one output array per member (any shapes; every
+        ``outputs[j]`` must hold exactly the bytes rank ``j`` sends here, or
+        ``CollectiveMismatchError`` names the pair). All exchanges run concurrently, so
+        the time is that of the busiest link rather than a sum of rounds.
+        """
+        self._check_member("all_to_all")
+        n = self.world_size
+        if len(inputs) != n or len(outputs) != n:
+            raise ValueError(f"all_to_all needs {n} input and {n} output arrays (one per "
+                             f"member), got {len(inputs)} and {len(outputs)}")
+        sends = [np.ascontiguousarray(_check_array(a, f"all_to_all inputs[{j}]"))
+                 for j, a in enumerate(inputs)]
+        for j, out in enumerate(outputs):
+            _check_array(out, f"all_to_all outputs[{j}]", writeable=True)
+            if not out.flags.c_contiguous:
+                raise ValueError(f"all_to_all: outputs[{j}] must be C-contiguous")
+        me = self._rank
+        if outputs[me].nbytes != sends[me].nbytes:
+            raise ValueError(f"all_to_all: outputs[{me}] holds {outputs[me].nbytes} bytes "
+                             f"but this rank sends itself {sends[me].nbytes}")
+
+        async def body(chan: Channel) -> Sequence[np.ndarray]:
+            await all_to_all_exchange(chan, sends, list(outputs))
+            return outputs
+
+        return await self._submit("all_to_all", body, timeout, async_op)
 
     async def barrier(self, *, timeout: float | None = None, async_op: bool = False) -> Any:
         """Wait until every member has entered the barrier (dissemination, no root)."""

@@ -20,7 +20,7 @@ from netdist.collectives.plan import (
     recursive_doubling_plan,
 )
 from netdist.transport.mailbox import byte_view
-from netdist.types import ReduceOp
+from netdist.types import ReduceOp, combine
 
 __all__ = [
     "doubling_all_reduce",
@@ -33,22 +33,11 @@ __all__ = [
     "linear_scatter",
     "combine",
     "gather_tasks",
+    "all_to_all_exchange",
     "tree_broadcast_blob",
 ]
 
 _EMPTY = np.empty(0, np.uint8)
-
-
-def combine(op: ReduceOp, low: np.ndarray, high: np.ndarray, out: np.ndarray) -> None:
-    """``out = low (op) high`` with a fixed operand order, so every rank gets equal bits."""
-    if op is ReduceOp.SUM or op is ReduceOp.MEAN:
-        np.add(low, high, out=out)
-    elif op is ReduceOp.MAX:
-        np.maximum(low, high, out=out)
-    elif op is ReduceOp.MIN:
-        np.minimum(low, high, out=out)
-    else:
-        np.multiply(low, high, out=out)
 
 
 def _check_same(chan: Channel, mine: np.ndarray, theirs: np.ndarray, peer: int) -> None:
@@ -241,6 +230,25 @@ async def linear_scatter(chan: Channel, arrays: list[np.ndarray] | None,
     await gather_tasks([chan.send(p, arrays[p])
                          for p in range(chan.world_size) if p != root])
     return arrays[root].copy()
+
+
+async def all_to_all_exchange(chan: Channel, sends: list[np.ndarray],
+                              outputs: list[np.ndarray]) -> None:
+    """Rank ``i`` sends ``sends[j]`` to rank ``j`` and receives rank ``j``'s array into
+    ``outputs[j]``, with every send and receive in flight at once."""
+    me = chan.rank
+    outputs[me].reshape(-1).view(np.uint8)[...] = sends[me].reshape(-1).view(np.uint8)
+    peers = [p for p in range(chan.world_size) if p != me]
+    await gather_tasks([chan.send(p, sends[p]) for p in peers]
+                       + [_recv_exact(chan, p, outputs[p]) for p in peers])
+
+
+async def _recv_exact(chan: Channel, peer: int, out: np.ndarray) -> None:
+    received = await chan.recv(peer, out=out)
+    if received.nbytes != out.nbytes:
+        raise CollectiveMismatchError(
+            f"{chan.op}: group rank {peer} sent {received.nbytes} bytes but group rank "
+            f"{chan.rank} expected {out.nbytes}")
 
 
 async def gather_tasks(coros: list) -> list:  # type: ignore[type-arg]

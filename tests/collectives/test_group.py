@@ -104,7 +104,8 @@ async def test_all_reduce_other_ops(n: int, algo: str) -> None:
     async def body(g: Group) -> dict[str, np.ndarray]:
         out = {}
         for op in ReduceOp:
-            out[op.name] = await g.all_reduce(data[g.rank].copy(), op, timeout=5)
+            if not op.is_bitwise:
+                out[op.name] = await g.all_reduce(data[g.rank].copy(), op, timeout=5)
         out["str"] = await g.all_reduce(data[g.rank].copy(), "max", timeout=5)
         return out
 
@@ -118,6 +119,30 @@ async def test_all_reduce_other_ops(n: int, algo: str) -> None:
         np.testing.assert_array_equal(res["PROD"], stacked.prod(0))
         np.testing.assert_array_equal(res["str"], stacked.max(0))
     assert_bitwise_equal([r["MEAN"] for r in results])
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("n", [2, 3])
+async def test_all_reduce_bitwise_ops(n: int, algo: str) -> None:
+    data = [np.array([0b1100 | r, 0b1010, -1, 7 << r], np.int32) for r in range(n)]
+
+    async def body(g: Group) -> dict[ReduceOp, np.ndarray]:
+        return {op: await g.all_reduce(data[g.rank].copy(), op, timeout=5)
+                for op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)}
+
+    results = await run_inprocess(n, body, small_message_bytes=ALGOS[algo], segment_bytes=8)
+    for res in results:
+        np.testing.assert_array_equal(res[ReduceOp.BAND], np.bitwise_and.reduce(data))
+        np.testing.assert_array_equal(res[ReduceOp.BOR], np.bitwise_or.reduce(data))
+        np.testing.assert_array_equal(res[ReduceOp.BXOR], np.bitwise_xor.reduce(data))
+
+
+async def test_bitwise_ops_refuse_floats() -> None:
+    async def body(g: Group) -> None:
+        with pytest.raises(TypeError, match="BXOR needs an integer or bool dtype, got float32"):
+            await g.all_reduce(np.ones(2, np.float32), ReduceOp.BXOR, timeout=5)
+
+    await run_inprocess(2, body)
 
 
 async def test_all_reduce_bool_prod_min_are_logical_and() -> None:

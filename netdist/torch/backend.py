@@ -1,0 +1,690 @@
+"""``ProcessGroupNetdist``: torch's ``ProcessGroup`` API over netdist's ``Group``.
+
+Each call checks its tensors on the caller's thread, starts exactly one coroutine on the
+job's progress thread and returns a ``NetdistWork`` at once. The coroutine issues its
+netdist collective(s) before it first yields, so the collectives' tags are taken in call
+order on every rank, which is what makes several ``async_op=True`` calls in flight match
+up across ranks (torch's rule: every rank issues the same calls in the same order).
+
+Semantics follow Gloo's on CPU (torch's reference for this device):
+
+- reductions: SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR (integers and bool), and AVG, which
+  Gloo lacks (floating dtypes; netdist's MEAN: sum, then one division). Results are bitwise
+  identical on every rank. PREMUL_SUM is NCCL's and is refused;
+- data movement (broadcast, gathers, scatters, all-to-all, send/recv) moves the tensors'
+  bytes, so every dtype moves (bfloat16, float16, complex, bool, all integer types);
+- ``barrier`` first waits for this group's earlier operations, as Gloo's does;
+- ``monitored_barrier`` names every rank that did not arrive within its timeout;
+- a receive from any source (``dist.recv(t)`` without ``src``) takes the first message
+  that arrives from any member on that tag;
+- user tags of ``send``/``recv`` are taken modulo ``2**19`` (netdist's group p2p tags are
+  ``< 2**20``; the upper half is this backend's own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from netdist.collectives.group import Group
+from netdist.errors import CollectiveMismatchError, NetdistTimeoutError
+from netdist.progress.job import Job
+from netdist.torch.errors import to_torch_error
+from netdist.torch.tensors import Staged, as_array, as_bytes, check_cpu, stage
+from netdist.torch.work import NetdistWork
+from netdist.types import ReduceOp
+
+__all__ = ["ProcessGroupNetdist", "BACKEND_NAME", "USER_TAG_LIMIT"]
+
+BACKEND_NAME = "netdist"
+
+USER_TAG_LIMIT = 2**19
+"""``send``/``recv`` tags are taken modulo this; tags above it are the backend's own."""
+
+_MONITORED_TAG = USER_TAG_LIMIT
+_ANY_SOURCE_POLL = 0.05
+"""Seconds a receive from any source waits on each member before trying the next."""
+
+_REDUCE_OPS: dict[Any, ReduceOp] = {
+    dist.ReduceOp.SUM: ReduceOp.SUM,
+    dist.ReduceOp.PRODUCT: ReduceOp.PROD,
+    dist.ReduceOp.MIN: ReduceOp.MIN,
+    dist.ReduceOp.MAX: ReduceOp.MAX,
+    dist.ReduceOp.BAND: ReduceOp.BAND,
+    dist.ReduceOp.BOR: ReduceOp.BOR,
+    dist.ReduceOp.BXOR: ReduceOp.BXOR,
+    dist.ReduceOp.AVG: ReduceOp.MEAN,
+}
+
+
+def reduce_op(opts: Any, what: str) -> ReduceOp:
+    """netdist's ``ReduceOp`` for the torch options' ``reduceOp``."""
+    red = opts.reduceOp
+    kind = getattr(red, "op", red)
+    try:
+        return _REDUCE_OPS[kind]
+    except KeyError:
+        raise ValueError(f"{what}: the netdist backend does not support {kind} "
+                         "(PREMUL_SUM is NCCL's)") from None
+
+
+def _one(tensors: Sequence[Any], what: str) -> Any:
+    if len(tensors) != 1:
+        raise ValueError(f"{what}: the netdist backend takes exactly one tensor (or list) "
+                         f"per call, got {len(tensors)}")
+    return tensors[0]
+
+
+def _same_bytes(tensors: Sequence[torch.Tensor]) -> bool:
+    sizes = {t.numel() * t.element_size() for t in tensors}
+    return len(sizes) <= 1
+
+
+def _rows(tensor: torch.Tensor, splits: Sequence[int], n: int, what: str) -> list[int]:
+    """Row counts of ``tensor`` along dim 0 for each member (equal split when empty)."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if not splits:
+        if rows % n:
+            raise ValueError(f"{what}: dim 0 of size {rows} does not split evenly over "
+                             f"{n} ranks; pass split sizes")
+        return [rows // n] * n
+    if len(splits) != n or sum(splits) != rows or min(splits) < 0:
+        raise ValueError(f"{what}: split sizes {list(splits)} must be {n} non-negative "
+                         f"numbers adding up to dim 0 ({rows})")
+    return [int(s) for s in splits]
+
+
+def _row_views(tensor: torch.Tensor, rows: list[int]) -> list[np.ndarray]:
+    flat = as_bytes(tensor)
+    total = sum(rows)
+    row_bytes = flat.nbytes // total if total else 0
+    views, start = [], 0
+    for count in rows:
+        views.append(flat[start:start + count * row_bytes])
+        start += count * row_bytes
+    return views
+
+
+class ProcessGroupNetdist(dist.ProcessGroup):
+    """A ``torch.distributed`` process group whose collectives are netdist's.
+
+    Created by ``init_process_group("netdist")`` / ``new_group(backend="netdist")``
+    (``netdist.torch.register``); not constructed directly.
+    """
+
+    def __init__(self, job: Job, group: Group, *, timeout: timedelta, owns_job: bool) -> None:
+        super().__init__(group.rank, group.world_size)
+        self._job = job
+        self._progress = job.progress
+        self._group = group
+        self._seconds = timeout.total_seconds()
+        self._owns_job = owns_job
+        self._pending: set[Any] = set()
+        self._monitored = 0
+        self._torch_name = ""
+        self._torch_desc = ""
+
+    # -- identity --------------------------------------------------------------------
+
+    @property
+    def job(self) -> Job:
+        """The netdist ``Job`` (transport and progress thread) this group runs on."""
+        return self._job
+
+    @property
+    def netdist_group(self) -> Group:
+        """netdist's ``Group`` for these ranks (use it on ``job.progress`` only)."""
+        return self._group
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    # torch sets its group name and description after creation; C++ callers reach them
+    # through getGroupName / getGroupDesc (there is no C++ backend to keep them)
+    def _set_group_name(self, name: str) -> None:
+        self._torch_name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._torch_desc = desc
+
+    @property
+    def group_name(self) -> str:
+        return self._torch_name
+
+    @property
+    def group_desc(self) -> str:
+        return self._torch_desc
+
+    def getGroupName(self) -> str:  # noqa: N802 - torch's name
+        return self._torch_name
+
+    def getGroupDesc(self) -> str:  # noqa: N802 - torch's name
+        return self._torch_desc
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device("cpu")]
+
+    def _get_backend(self, device: Any) -> ProcessGroupNetdist:
+        return self
+
+    supports_coalescing = False
+    supports_splitting = False
+
+    def __repr__(self) -> str:
+        return (f"<ProcessGroupNetdist rank {self._group.rank} of {self._group.world_size} "
+                f"(transport ranks {list(self._group.ranks)})>")
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def _timeout(self, opts: Any = None) -> float:
+        value = getattr(opts, "timeout", None)
+        if isinstance(value, timedelta) and value.total_seconds() > 0:
+            return value.total_seconds()
+        return self._seconds
+
+    def _start(self, op: str, body: Callable[[], Awaitable[Any]],
+               outputs: list[torch.Tensor], staged: Sequence[Staged] = (),
+               source: Callable[[], int] | None = None) -> NetdistWork:
+        """Run ``body`` on the progress thread; copy staged tensors back when it is done."""
+
+        async def run() -> None:
+            await body()
+            for item in staged:
+                item.finish()
+
+        try:
+            future = self._progress.submit(run())
+        except BaseException as exc:  # noqa: BLE001 - a closed job: a torch error
+            raise to_torch_error(exc) from exc
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        return NetdistWork(future, self._progress, op, outputs, source)
+
+    # -- reductions ------------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> NetdistWork:
+        opts = opts if opts is not None else c10d.AllreduceOptions()
+        tensor = _one(tensors, "allreduce")
+        op = reduce_op(opts, "allreduce")
+        staged = stage(tensor, "allreduce")
+        array = as_array(staged.work, "allreduce")
+        group, timeout = self._group, self._timeout(opts)
+
+        async def body() -> None:
+            await group.all_reduce(array, op, timeout=timeout)
+
+        return self._start("allreduce", body, [tensor], [staged])
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor],
+                            opts: Any = None) -> NetdistWork:
+        opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
+        op = reduce_op(opts, "allreduce_coalesced")
+        for t in tensors:
+            check_cpu(t, "allreduce_coalesced")
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        flats = [torch.cat([t.detach().reshape(-1) for t in ts]) for ts in by_dtype.values()]
+        arrays = [as_array(f, "allreduce_coalesced") for f in flats]
+        group, timeout = self._group, self._timeout(opts)
+
+        async def body() -> None:
+            works = [await group.all_reduce(a, op, timeout=timeout, async_op=True)
+                     for a in arrays]
+            for work in works:
+                await work
+            with torch.no_grad():
+                for flat, ts in zip(flats, by_dtype.values()):
+                    offset = 0
+                    for t in ts:
+                        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                        offset += t.numel()
+
+        return self._start("allreduce_coalesced", body, list(tensors))
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> NetdistWork:
+        opts = opts if opts is not None else c10d.ReduceOptions()
+        tensor = _one(tensors, "reduce")
+        op = reduce_op(opts, "reduce")
+        staged = stage(tensor, "reduce")
+        array = as_array(staged.work, "reduce")
+        root, group, timeout = opts.rootRank, self._group, self._timeout(opts)
+
+        async def body() -> None:
+            await group.reduce(array, root, op, timeout=timeout)
+
+        return self._start("reduce", body, [tensor], [staged] if self.rank() == root else ())
+
+    def reduce_scatter(self, outputs: list[torch.Tensor],
+                       input_lists: list[list[torch.Tensor]],
+                       opts: Any = None) -> NetdistWork:
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        out = _one(outputs, "reduce_scatter")
+        inputs = _one(input_lists, "reduce_scatter")
+        n = self.size()
+        if len(inputs) != n:
+            raise ValueError(f"reduce_scatter needs {n} input tensors, got {len(inputs)}")
+        op = reduce_op(opts, "reduce_scatter")
+        for t in inputs:
+            check_cpu(t, "reduce_scatter")
+        staged = stage(out, "reduce_scatter")
+        flat = torch.cat([t.detach().reshape(-1) for t in inputs])
+        sizes = [t.numel() for t in inputs]
+        me = self.rank()
+        if sizes[me] != out.numel():
+            raise ValueError(f"reduce_scatter: the output has {out.numel()} elements but "
+                             f"input {me} has {sizes[me]}")
+        array, target = as_array(flat, "reduce_scatter"), as_array(staged.work, "reduce_scatter")
+        group, timeout = self._group, self._timeout(opts)
+        even = len(set(sizes)) == 1
+
+        async def body() -> None:
+            if even:
+                await group.reduce_scatter(array, op, out=target.reshape(-1), timeout=timeout)
+            else:  # uneven chunks: reduce everything, keep this rank's part
+                await group.all_reduce(array, op, timeout=timeout)
+                lo = sum(sizes[:me])
+                target.reshape(-1)[...] = array[lo:lo + sizes[me]]
+
+        return self._start("reduce_scatter", body, [out], [staged])
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> NetdistWork:
+        return self._reduce_scatter_tensors("reduce_scatter_tensor", [output], [input], opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor],
+                                        opts: Any = None) -> NetdistWork:
+        return self._reduce_scatter_tensors("reduce_scatter_tensor_coalesced", outputs,
+                                            inputs, opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _reduce_scatter_tensors(self, what: str, outputs: list[torch.Tensor],
+                                inputs: list[torch.Tensor], opts: Any) -> NetdistWork:
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        op = reduce_op(opts, what)
+        n = self.size()
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
+        staged, pairs = [], []
+        for out, inp in zip(outputs, inputs):
+            check_cpu(inp, what)
+            if inp.numel() != n * out.numel():
+                raise ValueError(f"{what}: the input has {inp.numel()} elements; it must "
+                                 f"have world size ({n}) x the output's {out.numel()}")
+            if inp.dtype != out.dtype:
+                raise ValueError(f"{what}: input dtype {inp.dtype} != output dtype {out.dtype}")
+            s = stage(out, what)
+            staged.append(s)
+            src = inp if inp.is_contiguous() else inp.contiguous()
+            pairs.append((as_array(src, what).reshape(-1), as_array(s.work, what).reshape(-1)))
+        group, timeout = self._group, self._timeout(opts)
+
+        async def body() -> None:
+            works = [await group.reduce_scatter(a, op, out=o, timeout=timeout, async_op=True)
+                     for a, o in pairs]
+            for work in works:
+                await work
+
+        return self._start(what, body, list(outputs), staged)
+
+    # -- data movement ---------------------------------------------------------------
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> NetdistWork:
+        opts = opts if opts is not None else c10d.BroadcastOptions()
+        tensor = _one(tensors, "broadcast")
+        staged = stage(tensor, "broadcast")
+        data = as_bytes(staged.work)
+        root, group, timeout = opts.rootRank, self._group, self._timeout(opts)
+
+        async def body() -> None:
+            await group.broadcast(data, root, timeout=timeout)
+
+        return self._start("broadcast", body, [tensor], [staged])
+
+    def allgather(self, output_lists: list[list[torch.Tensor]],
+                  inputs: list[torch.Tensor], opts: Any = None) -> NetdistWork:
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        outs = _one(output_lists, "allgather")
+        inp = _one(inputs, "allgather")
+        return self._all_gather_lists("allgather", [outs], [inp], opts)
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
+                            inputs: list[torch.Tensor], opts: Any = None) -> NetdistWork:
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        return self._all_gather_lists("allgather_coalesced", output_lists, inputs, opts)
+
+    def _all_gather_lists(self, what: str, output_lists: list[list[torch.Tensor]],
+                          inputs: list[torch.Tensor], opts: Any) -> NetdistWork:
+        n = self.size()
+        if len(output_lists) != len(inputs):
+            raise ValueError(f"{what}: {len(output_lists)} output lists for "
+                             f"{len(inputs)} inputs")
+        jobs = []
+        for outs, inp in zip(output_lists, inputs):
+            check_cpu(inp, what)
+            if len(outs) != n:
+                raise ValueError(f"{what} needs {n} output tensors, got {len(outs)}")
+            for t in outs:
+                check_cpu(t, what)
+            mine = as_bytes(inp.contiguous())
+            jobs.append((mine, outs, _same_bytes([*outs, inp])))
+        group, timeout = self._group, self._timeout(opts)
+
+        async def body() -> None:
+            started = []
+            for mine, outs, even in jobs:
+                buffer = np.empty(mine.nbytes * n if even else 0, np.uint8)
+                work = await group.all_gather(mine, out=buffer if even else None,
+                                              timeout=timeout, async_op=True)
+                started.append((work, outs))
+            for work, outs in started:
+                gathered = await work
+                offset = 0
+                with torch.no_grad():
+                    for t in outs:
+                        size = t.numel() * t.element_size()
+                        if size:
+                            piece = torch.from_numpy(gathered[offset:offset + size])
+                            t.view(-1).view(torch.uint8).copy_(piece) if t.is_contiguous() \
+                                else t.copy_(piece.view(t.dtype).view(t.shape))
+                        offset += size
+
+        return self._start(what, body, [t for outs in output_lists for t in outs])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: Any = None) -> NetdistWork:
+        return self._all_gather_tensors("all_gather_into_tensor", [output], [input], opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
+                                    inputs: list[torch.Tensor],
+                                    opts: Any = None) -> NetdistWork:
+        return self._all_gather_tensors("all_gather_into_tensor_coalesced", outputs, inputs,
+                                        opts)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def _all_gather_tensors(self, what: str, outputs: list[torch.Tensor],
+                            inputs: list[torch.Tensor], opts: Any) -> NetdistWork:
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        n = self.size()
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
+        staged, pairs = [], []
+        for out, inp in zip(outputs, inputs):
+            check_cpu(inp, what)
+            if out.numel() != n * inp.numel() or out.dtype != inp.dtype:
+                raise ValueError(f"{what}: the output ({out.dtype}, {out.numel()} elements) "
+                                 f"must be world size ({n}) x the input ({inp.dtype}, "
+                                 f"{inp.numel()} elements)")
+            s = stage(out, what)
+            staged.append(s)
+            pairs.append((as_bytes(inp.contiguous()), as_bytes(s.work)))
+        group, timeout = self._group, self._timeout(opts)
+
+        async def body() -> None:
+            works = [await group.all_gather(mine, out=full, timeout=timeout, async_op=True)
+                     for mine, full in pairs]
+            for work in works:
+                await work
+
+        return self._start(what, body, list(outputs), staged)
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+               opts: Any = None) -> NetdistWork:
+        opts = opts if opts is not None else c10d.GatherOptions()
+        inp = _one(inputs, "gather")
+        check_cpu(inp, "gather")
+        root = opts.rootRank
+        outs: list[torch.Tensor] = []
+        if self.rank() == root:
+            outs = _one(output_lists, "gather")
+            if len(outs) != self.size():
+                raise ValueError(f"gather needs {self.size()} output tensors on the root, "
+                                 f"got {len(outs)}")
+        mine = as_bytes(inp.contiguous())
+        group, timeout = self._group, self._timeout(opts)
+
+        async def body() -> None:
+            arrays = await group.gather(mine, root, timeout=timeout)
+            if arrays is not None:
+                _copy_into(outs, arrays, "gather")
+
+        return self._start("gather", body, outs)
+
+    def gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                      opts: Any = None) -> NetdistWork:
+        opts = opts if opts is not None else c10d.GatherOptions()
+        n = self.size()
+        is_root = self.rank() == opts.rootRank
+        if is_root and output.numel() != n * input.numel():
+            raise ValueError(f"gather_into_tensor: the output has {output.numel()} elements; "
+                             f"it must have world size ({n}) x the input's {input.numel()}")
+        chunks = list(output.reshape(-1).chunk(n)) if is_root else []
+        return self.gather([chunks], [input], opts)
+
+    gather_into_tensor = gather_single
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                opts: Any = None) -> NetdistWork:
+        opts = opts if opts is not None else c10d.ScatterOptions()
+        out = _one(outputs, "scatter")
+        check_cpu(out, "scatter")
+        root = opts.rootRank
+        payloads = None
+        if self.rank() == root:
+            inputs = _one(input_lists, "scatter")
+            if len(inputs) != self.size():
+                raise ValueError(f"scatter needs {self.size()} input tensors on the root, "
+                                 f"got {len(inputs)}")
+            payloads = [as_bytes(t.contiguous()) for t in inputs]
+        group, timeout = self._group, self._timeout(opts)
+
+        async def body() -> None:
+            received = await group.scatter(payloads, root, timeout=timeout)
+            _copy_into([out], [received], "scatter")
+
+        return self._start("scatter", body, [out])
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                 opts: Any = None) -> NetdistWork:
+        opts = opts if opts is not None else c10d.AllToAllOptions()
+        n = self.size()
+        if len(outputs) != n or len(inputs) != n:
+            raise ValueError(f"all_to_all needs {n} input and {n} output tensors, got "
+                             f"{len(inputs)} and {len(outputs)}")
+        staged = [stage(t, "all_to_all") for t in outputs]
+        sends = [as_bytes(t.contiguous()) for t in inputs]
+        recvs = [as_bytes(s.work) for s in staged]
+        return self._all_to_all("all_to_all", sends, recvs, outputs, staged, opts)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts: Any = None) -> NetdistWork:
+        opts = opts if opts is not None else c10d.AllToAllOptions()
+        n = self.size()
+        check_cpu(input, "all_to_all_single")
+        staged = stage(output, "all_to_all_single")
+        source = input if input.is_contiguous() else input.contiguous()
+        sends = _row_views(source, _rows(source, input_split_sizes, n, "all_to_all_single"))
+        recvs = _row_views(staged.work, _rows(staged.work, output_split_sizes, n,
+                                              "all_to_all_single"))
+        return self._all_to_all("all_to_all_single", sends, recvs, [output], [staged], opts)
+
+    alltoall_base = all_to_all_single
+
+    def _all_to_all(self, what: str, sends: list[np.ndarray], recvs: list[np.ndarray],
+                    outputs: list[torch.Tensor], staged: list[Staged],
+                    opts: Any) -> NetdistWork:
+        group, timeout = self._group, self._timeout(opts)
+
+        async def body() -> None:
+            await group.all_to_all(sends, recvs, timeout=timeout)
+
+        return self._start(what, body, outputs, staged)
+
+    # -- point to point --------------------------------------------------------------
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> NetdistWork:
+        tensor = _one(tensors, "send")
+        check_cpu(tensor, "send")
+        data = as_bytes(tensor.contiguous())
+        group, user_tag = self._group, tag % USER_TAG_LIMIT
+
+        async def body() -> None:
+            await group.send(data, dst, user_tag)
+
+        return self._start("send", body, [tensor])
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> NetdistWork:
+        tensor = _one(tensors, "recv")
+        staged = stage(tensor, "recv")
+        out = as_bytes(staged.work)
+        group, user_tag = self._group, tag % USER_TAG_LIMIT
+
+        async def body() -> None:
+            received = await group.recv(src, user_tag, out=out)
+            _check_size(received, out, src, "recv")
+
+        return self._start("recv", body, [tensor], [staged], source=lambda: src)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> NetdistWork:
+        tensor = _one(tensors, "recv")
+        staged = stage(tensor, "recv")
+        out = as_bytes(staged.work)
+        group, user_tag = self._group, tag % USER_TAG_LIMIT
+        peers = [p for p in range(self.size()) if p != self.rank()]
+        found: list[int] = []
+
+        async def body() -> None:
+            found.append(await _recv_any(group, peers, user_tag, out, self._seconds))
+
+        return self._start("recv", body, [tensor], [staged], source=lambda: found[0])
+
+    # -- synchronisation -------------------------------------------------------------
+
+    def barrier(self, opts: Any = None) -> NetdistWork:
+        opts = opts if opts is not None else c10d.BarrierOptions()
+        prior = list(self._pending)
+        group, timeout = self._group, self._timeout(opts)
+
+        async def body() -> None:
+            work = await group.barrier(timeout=timeout, async_op=True)
+            if prior:  # like Gloo: the barrier also waits for this group's earlier work
+                await asyncio.gather(*(asyncio.wrap_future(f) for f in prior),
+                                     return_exceptions=True)
+            await work
+
+        return self._start("barrier", body, [])
+
+    def monitored_barrier(self, timeout: timedelta | None = None,
+                          wait_all_ranks: bool = False) -> None:
+        """Rank 0 waits up to ``timeout`` for every rank and names those that did not come."""
+        seconds = timeout.total_seconds() if timeout else self._seconds
+        tag = _MONITORED_TAG + (self._monitored % USER_TAG_LIMIT)
+        self._monitored += 1
+        group, me = self._group, self.rank()
+
+        async def body() -> None:
+            await _monitored_barrier(group, me, tag, seconds, wait_all_ranks)
+
+        self._start("monitored_barrier", body, []).wait()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Close the job (BYE to every peer) if this group owns it."""
+        if self._owns_job:
+            self._job.close()
+
+    def abort(self) -> None:
+        """Close the job at once, telling peers this rank aborted."""
+        if self._owns_job:
+            self._job.close(RuntimeError("torch.distributed aborted the process group"))
+
+
+def _copy_into(outs: Sequence[torch.Tensor], arrays: Sequence[np.ndarray], what: str) -> None:
+    with torch.no_grad():
+        for index, (t, array) in enumerate(zip(outs, arrays)):
+            size = t.numel() * t.element_size()
+            if array.nbytes != size:
+                raise CollectiveMismatchError(
+                    f"{what}: rank {index} sent {array.nbytes} bytes into a tensor of "
+                    f"{size} bytes ({t.dtype}, shape {tuple(t.shape)})")
+            if size:
+                piece = torch.from_numpy(np.ascontiguousarray(array).view(np.uint8))
+                t.copy_(piece.view(t.dtype).view(t.shape))
+
+
+def _check_size(received: np.ndarray, out: np.ndarray, src: int, what: str) -> None:
+    if received.nbytes != out.nbytes:
+        raise CollectiveMismatchError(f"{what}: rank {src} sent {received.nbytes} bytes into "
+                                      f"a tensor of {out.nbytes} bytes")
+
+
+async def _recv_any(group: Group, peers: list[int], tag: int, out: np.ndarray,
+                    timeout: float) -> int:
+    """Receive the next message on ``tag`` from whichever member sends first.
+
+    Polls each member in turn with a short receive that owns no buffer: a posted receive
+    that expires before its frame arrives is withdrawn without losing anything (the
+    transport's contract), so only the message actually taken is consumed.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        for peer in peers:
+            try:
+                received = await group.recv(peer, tag, timeout=_ANY_SOURCE_POLL)
+            except NetdistTimeoutError:
+                continue
+            _check_size(received, out, peer, "recv")
+            out[...] = received.reshape(-1).view(np.uint8)
+            return peer
+        if loop.time() >= deadline:
+            raise NetdistTimeoutError(f"recv from any source on tag {tag} timed out after "
+                                      f"{timeout:.1f}s")
+
+
+async def _monitored_barrier(group: Group, me: int, tag: int, seconds: float,
+                             wait_all_ranks: bool) -> None:
+    n = group.world_size
+    token = np.zeros(1, np.uint8)
+    if me != 0:
+        await group.send(token, 0, tag, timeout=seconds)
+        await group.recv(0, tag, out=np.zeros(1, np.uint8), timeout=seconds)
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    missing: list[int] = []
+    for peer in range(1, n):
+        remaining = max(deadline - loop.time(), 0.001)
+        try:
+            await group.recv(peer, tag, out=np.zeros(1, np.uint8), timeout=remaining)
+        except NetdistTimeoutError:
+            missing.append(peer)
+            if not wait_all_ranks:
+                break
+    if missing:
+        ms = int(seconds * 1000)
+        listed = ", ".join(map(str, missing))
+        raise NetdistTimeoutError(f"[Rank 0]: Rank{'s' if len(missing) > 1 else ''} "
+                                  f"{listed} failed to pass monitoredBarrier in {ms} ms")
+    await asyncio.gather(*(group.send(token, peer, tag, timeout=seconds)
+                           for peer in range(1, n)))

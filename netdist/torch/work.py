@@ -1,0 +1,112 @@
+"""``NetdistWork``: torch's ``Work`` handle over an operation on netdist's progress thread.
+
+Every call of the backend starts one coroutine on the job's ``ProgressThread`` and returns
+at once with this handle, so ``async_op=True`` overlaps communication with the caller's
+compute exactly as torch promises. ``wait()`` drives the event loop itself when the loop
+is free (no thread hand-off on the synchronous path) and otherwise sleeps until the
+progress thread has finished the operation. ``get_future()`` is the ``torch.futures.Future``
+that DDP's reducer and communication hooks chain on; its value is the list of output
+tensors, as with Gloo.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from netdist.progress.thread import ProgressThread
+from netdist.torch.errors import to_torch_error
+
+__all__ = ["NetdistWork"]
+
+
+class NetdistWork(dist.Work):
+    """One backend operation in flight (see the module docstring)."""
+
+    def __init__(self, future: concurrent.futures.Future[Any], progress: ProgressThread,
+                 op: str, outputs: list[torch.Tensor],
+                 source: Callable[[], int] | None = None) -> None:
+        super().__init__()
+        self._future = future
+        self._progress = progress
+        self._op = op
+        self._outputs = outputs
+        self._source = source
+        self._torch_future: torch.futures.Future[list[torch.Tensor]] | None = None
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Block until the operation is done; raise its error as a torch error.
+
+        ``timeout`` (torch's convention: zero means none) bounds this wait only; the
+        operation's own deadline is the group's timeout.
+        """
+        seconds = timeout.total_seconds() if timeout else 0.0
+        if not self._future.done() and self._progress.on_thread():
+            raise RuntimeError(f"{self._op}: wait() on netdist's progress thread would block "
+                               "the loop that completes it; chain on get_future() instead")
+        try:
+            self._progress.wait(self._future, seconds or None, self._op)
+        except BaseException as exc:  # noqa: BLE001 - translated for torch callers
+            raise to_torch_error(exc) from exc.__cause__
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return (self._future.done() and not self._future.cancelled()
+                and self._future.exception() is None)
+
+    def exception(self) -> BaseException | None:
+        if not self._future.done():
+            return None
+        if self._future.cancelled():
+            return RuntimeError(f"{self._op} was cancelled")
+        exc = self._future.exception()
+        return None if exc is None else to_torch_error(exc)
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def synchronize(self) -> None:
+        """CPU work has nothing to synchronise with a stream."""
+
+    def block_current_stream(self) -> None:
+        """CPU work has no stream to block; waiting is ``wait()``."""
+
+    def source_rank(self) -> int:
+        """The rank a receive from any source got its message from."""
+        self.wait()
+        if self._source is None:
+            raise ValueError(f"{self._op}: source_rank() is only defined for a receive "
+                             "from any source")
+        return self._source()
+
+    _source_rank = source_rank
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        """A ``torch.futures.Future`` completed with the output tensors (or the error)."""
+        if self._torch_future is None:
+            fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+            self._torch_future = fut
+
+            def complete(done: concurrent.futures.Future[Any]) -> None:
+                if done.cancelled():
+                    fut.set_exception(RuntimeError(f"{self._op} was cancelled"))  # type: ignore[arg-type]
+                elif done.exception() is not None:
+                    fut.set_exception(to_torch_error(done.exception()))  # type: ignore[arg-type]
+                else:
+                    fut.set_result(self._outputs)
+
+            self._future.add_done_callback(complete)
+        return self._torch_future
+
+    def __repr__(self) -> str:
+        state = "done" if self._future.done() else "running"
+        return f"<NetdistWork {self._op} {state}>"
