@@ -338,6 +338,8 @@ class ProgressThread:
         try:
             return future.result(budget)
         except concurrent.futures.TimeoutError:
+            if future.done():  # the work's own TimeoutError (the same class since 3.11)
+                raise
             raise NetdistTimeoutError(f"waiting for {what} timed out after {timeout:.2f}s "
                                       "(the operation is still running)") from None
 

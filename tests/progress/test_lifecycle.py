@@ -58,6 +58,19 @@ def test_run_with_a_timeout_cancels_and_raises_netdist_timeout() -> None:
     assert progress_threads() == []
 
 
+@pytest.mark.parametrize("budget", [None, 30.0])
+def test_wait_raises_the_works_own_timeout_error_unchanged(budget: float | None) -> None:
+    """The work's NetdistTimeoutError is a TimeoutError, like concurrent.futures' own
+    since Python 3.11: wait() must pass it on, not mistake it for its own expiry."""
+    async def collective_times_out() -> None:
+        raise NetdistTimeoutError("all_reduce on group 0x1 timed out after 3.00s")
+
+    with ProgressThread() as progress:
+        future = progress.submit(collective_times_out())
+        with pytest.raises(NetdistTimeoutError, match=r"^all_reduce on group 0x1 timed out"):
+            progress.wait(future, budget, "all_reduce")
+
+
 def test_joining_without_a_coordinator_fails_within_the_timeout_and_leaves_no_thread() -> None:
     with socket.socket() as unused:  # a port nobody listens on: bind, never listen
         unused.bind(("127.0.0.1", 0))
