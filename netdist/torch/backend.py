@@ -24,6 +24,7 @@ Semantics follow Gloo's on CPU (torch's reference for this device):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -195,14 +196,27 @@ class ProcessGroupNetdist(dist.ProcessGroup):
 
     def _start(self, op: str, body: Callable[[], Awaitable[Any]],
                outputs: list[torch.Tensor], staged: Sequence[Staged] = (),
-               source: Callable[[], int] | None = None) -> NetdistWork:
-        """Run ``body`` on the progress thread; copy staged tensors back when it is done."""
+               source: Callable[[], int] | None = None, asyncop: bool = True) -> NetdistWork:
+        """Run ``body`` on the progress thread; copy staged tensors back when it is done.
+
+        ``asyncop`` is the torch options' ``asyncOp`` (False for a blocking call).
+        """
 
         async def run() -> None:
             await body()
             for item in staged:
                 item.finish()
 
+        if not asyncop and not self._pending:
+            # a blocking call with nothing of this group in flight: run it right here
+            # (driving the loop when it is free), skipping the thread-safe hand-off; with
+            # earlier calls still queued it must queue behind them to keep tag order
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            try:
+                future.set_result(self._progress.run(run()))
+            except BaseException as exc:  # noqa: BLE001 - a torch error, now
+                raise to_torch_error(exc) from exc
+            return NetdistWork(future, self._progress, op, outputs, source)
         try:
             future = self._progress.submit(run())
         except BaseException as exc:  # noqa: BLE001 - a closed job: a torch error
@@ -224,7 +238,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         async def body() -> None:
             await group.all_reduce(array, op, timeout=timeout)
 
-        return self._start("allreduce", body, [tensor], [staged])
+        return self._start("allreduce", body, [tensor], [staged], asyncop=opts.asyncOp)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor],
                             opts: Any = None) -> NetdistWork:
@@ -340,7 +354,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             for work in works:
                 await work
 
-        return self._start(what, body, list(outputs), staged)
+        return self._start(what, body, list(outputs), staged, asyncop=opts.asyncOp)
 
     # -- data movement ---------------------------------------------------------------
 
@@ -354,7 +368,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         async def body() -> None:
             await group.broadcast(data, root, timeout=timeout)
 
-        return self._start("broadcast", body, [tensor], [staged])
+        return self._start("broadcast", body, [tensor], [staged], asyncop=opts.asyncOp)
 
     def allgather(self, output_lists: list[list[torch.Tensor]],
                   inputs: list[torch.Tensor], opts: Any = None) -> NetdistWork:
@@ -444,7 +458,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             for work in works:
                 await work
 
-        return self._start(what, body, list(outputs), staged)
+        return self._start(what, body, list(outputs), staged, asyncop=opts.asyncOp)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                opts: Any = None) -> NetdistWork:
