@@ -105,8 +105,16 @@ class NetdistWork(dist.Work):
                     fut.set_result(self._outputs)
 
             self._future.add_done_callback(complete)
+            # set_exception stores the error as the future's value, which only Python's
+            # wait() turns back into an error; a then() callback that raises marks the
+            # chained future failed in C++ too, so DDP's reducer raises netdist's message
+            self._torch_future = fut.then(_value)
         return self._torch_future
 
     def __repr__(self) -> str:
         state = "done" if self._future.done() else "running"
         return f"<NetdistWork {self._op} {state}>"
+
+
+def _value(future: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
+    return future.value()

@@ -158,9 +158,28 @@ def main() -> None:
         result = ops(rank, world, backend)
     elif scenario in ("peer_dies", "peer_stalls"):
         result = failure(scenario, rank, out_dir)
+    elif scenario == "ddp_peer_dies":
+        result = ddp_failure(rank, out_dir)
     with open(os.path.join(out_dir, f"{scenario}-{backend}-{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
+
+
+def ddp_failure(rank: int, out_dir: str) -> dict[str, Any]:
+    """DDP trains two steps; rank 1 then dies; rank 0's next backward must raise."""
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 4))
+    for step in range(3):
+        if step == 2 and rank == 1:
+            os._exit(3)
+        try:
+            model(torch.randn(8, 16)).sum().backward()
+        except Exception as exc:  # noqa: BLE001 - the test checks type and message
+            result = {"step": step, "type": type(exc).__name__, "message": str(exc)}
+            with open(os.path.join(out_dir, f"ddp_peer_dies-netdist-{rank}.json"), "w") as f:
+                json.dump(result, f)
+            os._exit(0)  # the job is broken: leave without the group's goodbye
+    return {"step": None}
 
 
 def failure(scenario: str, rank: int, out_dir: str) -> dict[str, Any]:

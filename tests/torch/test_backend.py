@@ -110,3 +110,14 @@ def test_the_process_group_timeout_bounds_a_collective(tmp_path: Path) -> None:
     assert report["type"] == "NetdistTimeout", report
     assert "DistBackendError" in report["mro"] and "TimeoutError" in report["mro"]
     assert "timed out" in report["message"] and "rank 1" in report["message"], report
+
+
+def test_ddp_backward_raises_netdists_error_when_a_peer_dies(tmp_path: Path) -> None:
+    """DDP's C++ reducer reads the backend's futures: a failed all-reduce must reach
+    backward() as an error carrying netdist's message, not as an unreadable value."""
+    results = run_ranks("ddp_peer_dies", "netdist", 2, tmp_path)
+    assert results[1].returncode == 3
+    report = json.loads((tmp_path / "ddp_peer_dies-netdist-0.json").read_text())
+    assert report["step"] == 2, report
+    assert "rank 1" in report["message"] and "all_reduce" in report["message"], report
+    assert "Unable to cast" not in report["message"], report
