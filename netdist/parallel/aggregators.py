@@ -55,7 +55,7 @@ import numpy as np
 from netdist.compression.fp16 import cast_to_fp16
 from netdist.compression.topk import TopKCompressor, index_dtype
 from netdist.errors import CollectiveError, CollectiveMismatchError
-from netdist.types import ReduceOp, thread_safe
+from netdist.types import WIRE_DTYPES, ReduceOp, thread_safe
 
 if TYPE_CHECKING:  # the collectives import asyncio; keep the type-only dependency lazy
     from netdist.collectives import Group
@@ -115,7 +115,7 @@ def _check_grads(grads: Sequence[np.ndarray]) -> list[np.ndarray]:
     for i, g in enumerate(arrays):
         if not isinstance(g, np.ndarray):
             raise TypeError(f"gradient {i} is a {type(g).__name__}, expected a numpy array")
-        if g.dtype.kind != "f":
+        if g.dtype.kind != "f" and g.dtype.name != "bfloat16":
             raise TypeError(f"gradient {i} has dtype {g.dtype}; gradients must be floating point")
     return arrays
 
@@ -154,7 +154,22 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
+        return self.size * key_dtype(self.dtype).itemsize
+
+
+def dtype_key(dtype: Any) -> str:
+    """A bucket's dtype as a string that round-trips through ``key_dtype``.
+
+    ``dtype.str`` names the byte order, but for extension types such as ml_dtypes'
+    bfloat16 it is only ``'<V2'`` (raw bytes), so those are named by their wire name.
+    """
+    dt = np.dtype(dtype)
+    return dt.name if dt.kind == "V" and dt.name in WIRE_DTYPES else dt.str
+
+
+def key_dtype(key: str) -> np.dtype[Any]:
+    """The dtype a ``dtype_key`` names."""
+    return WIRE_DTYPES[key] if key == "bfloat16" and key in WIRE_DTYPES else np.dtype(key)
 
 
 def plan_buckets(sizes: Sequence[int], dtypes: Sequence[Any], bucket_bytes: int, *,
@@ -182,7 +197,7 @@ def plan_buckets(sizes: Sequence[int], dtypes: Sequence[Any], bucket_bytes: int,
         if size == 0:
             continue
         dt = np.dtype(dtypes[i])
-        key = dt.str
+        key = dtype_key(dt)
         entries = open_buckets.setdefault(key, [])
         offset = fill.get(key, 0)
         entries.append(BucketEntry(i, offset, size))
@@ -251,7 +266,7 @@ class AllReduceAggregator:
             return False
         g = grads[bucket.entries[0].index]
         return (g.flags.c_contiguous and g.flags.writeable
-                and g.dtype.str == bucket.dtype and self._wire_dtype(g.dtype) == g.dtype)
+                and dtype_key(g.dtype) == bucket.dtype and self._wire_dtype(g.dtype) == g.dtype)
 
     def _prepare(self, grads: list[np.ndarray]) -> None:
         layout = tuple((tuple(g.shape), g.dtype.str) for g in grads)
@@ -291,7 +306,7 @@ class AllReduceAggregator:
         buf = self._buffers[b]
         if buf is None:
             bucket = self._plan[b]
-            buf = self._buffers[b] = np.empty(bucket.size, dtype=np.dtype(bucket.dtype))
+            buf = self._buffers[b] = np.empty(bucket.size, dtype=key_dtype(bucket.dtype))
         return buf
 
     async def aggregate(self, grads: list[np.ndarray]) -> list[np.ndarray]:

@@ -60,6 +60,25 @@ def test_plan_buckets_separates_dtypes_and_skips_empty():
         ("<f4", [0, 3]), ("<f8", [2])]
 
 
+async def test_bfloat16_gradients_average_in_bfloat16_buckets() -> None:
+    """ml_dtypes' bfloat16 has the raw dtype.str '<V2': buckets name it by its wire name,
+    so the bucket buffer is bfloat16 and the average is computed in bfloat16."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    plan = plan_buckets([3, 2], [bf16, np.float32], bucket_bytes=1 << 20)
+    assert sorted(b.dtype for b in plan) == ["<f4", "bfloat16"]
+    groups = make_groups(2)
+    grads = [[np.array([1.0, 2.0, 3.0], bf16) * (r + 1)] for r in range(2)]
+
+    async def run(r: int) -> list[np.ndarray]:
+        return await AllReduceAggregator(groups[r]).aggregate(grads[r])
+
+    results = await asyncio.gather(*(run(r) for r in range(2)))
+    for (avg,) in results:
+        assert avg.dtype == bf16
+        np.testing.assert_array_equal(avg.astype(np.float32), [1.5, 3.0, 4.5])
+
+
 def test_plan_buckets_large_tensor_alone_and_many_small_fused():
     plan = plan_buckets([1000] + [10] * 200, ["<f8"] * 201, bucket_bytes=4000)
     assert sum(len(b.entries) for b in plan) == 201
