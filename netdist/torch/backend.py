@@ -379,8 +379,14 @@ class ProcessGroupNetdist(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any = None) -> NetdistWork:
+        """``output_lists[r][i]`` receives rank ``r``'s ``inputs[i]`` (torch's layout)."""
         opts = opts if opts is not None else c10d.AllgatherOptions()
-        return self._all_gather_lists("allgather_coalesced", output_lists, inputs, opts)
+        n = self.size()
+        if len(output_lists) != n or any(len(row) != len(inputs) for row in output_lists):
+            raise ValueError(f"all_gather_coalesced needs {n} output lists of "
+                             f"{len(inputs)} tensors (one per input)")
+        per_input = [[output_lists[r][i] for r in range(n)] for i in range(len(inputs))]
+        return self._all_gather_lists("allgather_coalesced", per_input, inputs, opts)
 
     def _all_gather_lists(self, what: str, output_lists: list[list[torch.Tensor]],
                           inputs: list[torch.Tensor], opts: Any) -> NetdistWork:
