@@ -1,0 +1,229 @@
+"""Run one function as N torch.distributed rank processes and collect what each returns.
+
+The higher-layer torch tests (DDP, FSDP2, DCP, pipelining) train the same model twice,
+once on Gloo and once on netdist, and compare.  Both runs go through :func:`run_ranks`, so
+the only thing that differs between them is the backend name handed to
+``init_process_group``.
+
+Each rank is a fresh ``spawn``-ed process (no state leaks from pytest or from the other
+run) that calls ``fn(rank, world_size, backend, init_method, out_dir, **kwargs)``.  The
+function is pickled by reference, so it must be a module-level function of an importable
+module (a test module is fine: the children get the parent's ``sys.path``).  What it
+returns travels back through ``out_dir/rank<r>.pt`` (``torch.save`` in the child,
+``torch.load(weights_only=True)`` in the parent, so results are tensors, numbers, strings
+and lists/dicts of them).  An exception in a child is written to ``out_dir/rank<r>.err``
+with its traceback; the parent then gives the other ranks a short grace period to finish
+or fail on their own, kills whatever is left, and raises :class:`RankError` carrying every
+child's traceback.  A run that outlives its timeout is killed the same way, so a hung
+collective fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import wait
+from pathlib import Path
+from time import monotonic
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+#: the backend every test compares with the reference run on ``"gloo"``
+CANDIDATE = "netdist"
+#: seconds a whole run may take before its processes are killed.  A run takes 3-15 s on
+#: an idle 2-core machine; the margin is for a machine loaded ten times over, where
+#: importing torch alone takes 15 s per process.
+RUN_TIMEOUT = 90.0
+#: seconds a collective (or the rendezvous) may block in a child before torch's own
+#: timeout fires: less than RUN_TIMEOUT, so a hang shows torch's error, not just a kill
+COLLECTIVE_TIMEOUT = 75.0
+#: pytest timeout for a test that makes two runs (the Gloo one and the netdist one)
+TEST_TIMEOUT = 2 * RUN_TIMEOUT + 30.0
+#: seconds the surviving ranks get to finish (or fail) after one rank failed
+GRACE_AFTER_FAILURE = 5.0
+
+
+class RankError(AssertionError):
+    """One or more rank processes failed, crashed or were killed on timeout.
+
+    Subclasses ``AssertionError`` so pytest shows it as a test failure with the message
+    (every failing rank's traceback) in full.
+    """
+
+
+def synthetic_classification(batches: int, batch_size: int, features: int = 64,
+                             classes: int = 10, seed: int = 1234,
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learnable classification stream, identical in every process that asks for it.
+
+    Returns ``x`` of shape ``(batches, batch_size, features)`` (standard normal) and labels
+    ``y`` of shape ``(batches, batch_size)`` given by a fixed random linear teacher, so a
+    small model's loss falls visibly within tens of steps.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batches, batch_size, features, generator=gen)
+    teacher = torch.randn(features, classes, generator=gen)
+    return x, (x @ teacher).argmax(dim=-1)
+
+
+def assert_bitwise_equal(actual: Any, expected: Any, what: str) -> None:
+    """Assert two (nested dict/list/tuple of) tensors hold the same bits.
+
+    Stricter than ``torch.equal``: dtypes and shapes must match, ``-0.0`` differs from
+    ``0.0`` and a NaN equals the identical NaN.  The message names ``what`` and the first
+    differing leaf (by its path through the containers).
+    """
+    _bitwise(actual, expected, what, "")
+
+
+def _bitwise(actual: Any, expected: Any, what: str, path: str) -> None:
+    where = f"{what}{path}"
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict), f"{where}: {type(actual).__name__} is not a dict"
+        assert actual.keys() == expected.keys(), \
+            f"{where}: keys {sorted(actual)} != {sorted(expected)}"
+        for key in expected:
+            _bitwise(actual[key], expected[key], what, f"{path}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)), f"{where}: {type(actual).__name__} is not a list"
+        assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            _bitwise(a, e, what, f"{path}[{i}]")
+    elif isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{where}: {type(actual).__name__} is not a tensor"
+        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), \
+            f"{where}: {actual.dtype}{list(actual.shape)} != {expected.dtype}{list(expected.shape)}"
+        a_bits = actual.detach().contiguous().reshape(-1).view(torch.uint8)
+        e_bits = expected.detach().contiguous().reshape(-1).view(torch.uint8)
+        if not torch.equal(a_bits, e_bits):
+            differ = (actual.reshape(-1) != expected.reshape(-1)).nonzero()
+            if not len(differ):
+                raise AssertionError(f"{where}: equal values with different bits "
+                                     "(signed zeros or NaN payloads)")
+            first = int(differ[0])
+            raise AssertionError(
+                f"{where}: not bitwise equal; {len(differ)} of {actual.numel()} elements "
+                f"differ, first at flat index {first}: {actual.reshape(-1)[first].item()!r} "
+                f"!= {expected.reshape(-1)[first].item()!r}")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago (bound with port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def init_process_group(rank: int, world_size: int, backend: str, init_method: str) -> None:
+    """Join the process group the way a plain torch script would, with a bounded timeout.
+
+    ``backend == "netdist"`` imports ``netdist.torch`` first, which is all a torch user
+    adds to their script to register the backend.
+    """
+    if backend == "netdist":
+        import netdist.torch  # noqa: F401  (registers the backend)
+    dist.init_process_group(backend, init_method=init_method, rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
+
+
+def _child(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
+           init_method: str, out_dir: str, kwargs: dict[str, Any]) -> None:
+    """Body of one rank process: run ``fn``, save its result or its traceback, exit.
+
+    The process ends with ``os._exit`` once its outcome is on disk: a full interpreter
+    shutdown of a torch process takes seconds on a loaded machine and adds nothing.
+    """
+    out = Path(out_dir)
+    code = 1
+    try:
+        # One intra-op thread per process: 2-core machines, and both runs must take the
+        # same floating-point paths for the bitwise comparisons.
+        torch.set_num_threads(1)
+        result = fn(rank, world_size, backend, init_method, out_dir, **kwargs)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        tmp = out / f"rank{rank}.pt.tmp"
+        torch.save(result, tmp)
+        tmp.rename(out / f"rank{rank}.pt")
+        code = 0
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _errors(out_dir: Path, world_size: int, exitcodes: Sequence[int | None],
+            killed: Sequence[int]) -> str:
+    """Describe every rank that did not succeed, with its traceback when it left one."""
+    parts = []
+    for rank in range(world_size):
+        err = out_dir / f"rank{rank}.err"
+        code = exitcodes[rank]
+        if err.exists():
+            parts.append(f"--- rank {rank} (exit code {code}) raised:\n{err.read_text()}")
+        elif rank in killed:
+            parts.append(f"--- rank {rank} was still running and was killed")
+        elif code != 0:
+            parts.append(f"--- rank {rank} died with exit code {code} (no traceback)")
+    return "\n".join(parts)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, backend: str, out_dir: Path,
+              timeout: float = RUN_TIMEOUT, **kwargs: Any) -> list[Any]:
+    """Run ``fn`` on ``world_size`` fresh rank processes; return each rank's result.
+
+    ``fn(rank, world_size, backend, init_method, out_dir, **kwargs)`` is called in every
+    child with a ``tcp://127.0.0.1:<free port>`` init method and ``out_dir`` (created here;
+    the function may leave files there, e.g. a checkpoint).  Returns the list of return
+    values, indexed by rank.  Raises :class:`RankError` with every failing child's
+    traceback if any child raises, dies, or the run exceeds ``timeout`` seconds; no child
+    outlives this call.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.start_processes(_child, args=(fn, world_size, backend, init_method,
+                                           str(out_dir), kwargs),
+                             nprocs=world_size, join=False, start_method="spawn")
+    procs = ctx.processes
+    deadline = monotonic() + timeout
+    reason = ""
+    killed: list[int] = []
+    try:
+        pending = list(procs)
+        while pending:
+            left = deadline - monotonic()
+            if left <= 0:
+                reason = reason or f"timed out after {timeout:.0f} s"
+                break
+            wait([p.sentinel for p in pending], timeout=left)
+            pending = [p for p in pending if p.exitcode is None]
+            if not reason and any(p.exitcode not in (None, 0) for p in procs):
+                reason = "a rank failed"
+                # Let the others fail (or finish) on their own so their tracebacks show.
+                deadline = min(deadline, monotonic() + GRACE_AFTER_FAILURE)
+    finally:
+        for rank, p in enumerate(procs):
+            if p.exitcode is None:
+                killed.append(rank)
+                p.kill()
+        for p in procs:
+            p.join(10.0)
+    exitcodes = [p.exitcode for p in procs]
+    if reason or any(code != 0 for code in exitcodes):
+        raise RankError(f"{backend} run of {fn.__name__} on {world_size} ranks: "
+                        f"{reason or 'a rank failed'}\n"
+                        f"{_errors(out_dir, world_size, exitcodes, killed)}")
+    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=True)
+            for rank in range(world_size)]
