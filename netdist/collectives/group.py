@@ -45,6 +45,19 @@ integer mean would silently truncate. ``BAND``/``BOR``/``BXOR`` are bitwise and 
 for integers and bool only. For ``bool``: ``SUM`` and ``MAX`` are logical or, ``PROD`` and
 ``MIN`` logical and.
 
+Torch tensors. Every collective that takes NumPy arrays also takes CPU tensors
+(``netdist.tensors``): a contiguous tensor is used through a NumPy view of its own memory,
+with no copy; an in-place collective returns the tensor it was given, the others return
+tensors over their result buffers (``torch.from_numpy``), ``out=`` tensors are filled in
+place. A non-contiguous tensor follows the rule for non-contiguous arrays: one contiguous
+copy, copied back into the tensor by in-place collectives (and into a non-contiguous
+``out=`` tensor). A tensor off the CPU raises ``ValueError``. bfloat16 tensors need no
+extra package: without ``ml_dtypes`` they travel as raw 16-bit data and reduce as torch
+reduces bfloat16 (float32 per pairwise step, rounded to nearest even; see
+``netdist.types``). A NumPy caller without ``ml_dtypes`` that *receives* bfloat16 (``recv``,
+``gather``, ``scatter`` without ``out=``) gets a ``torch.bfloat16`` tensor if torch is
+imported, else a ``TypeError`` naming the dtype and ``pip install 'netdist[bf16]'``.
+
 Failure. Each collective has one deadline, ``timeout`` (default: the group's, which
 defaults to the transport's). A lost peer raises ``PeerLostError``, an expired deadline
 ``NetdistTimeoutError``, mismatched arguments across ranks ``CollectiveMismatchError``;
@@ -62,7 +75,7 @@ import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -101,7 +114,17 @@ from netdist.errors import (
 )
 from netdist.sharding import chunk_bounds
 from netdist.transport.base import Transport
-from netdist.types import WIRE_DTYPES, ReduceOp, check_reduce_dtype, dtype_to_wire
+from netdist.tensors import as_array, as_arrays, is_tensor, numpy_result, stage_out, to_tensor
+from netdist.types import (
+    CARRIED_DTYPES,
+    ReduceOp,
+    check_reduce_dtype,
+    divide_into,
+    dtype_to_wire,
+)
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = [
     "Group",
@@ -138,7 +161,7 @@ _SEQ_MASK = (1 << 17) - 1
 _PROBE_TAG = P2P_TAG_LIMIT  # just above the application's p2p tags: never sent on
 _PROBE_SECONDS = 0.02
 
-_WIRE_DTYPE_SET = frozenset(WIRE_DTYPES.values())
+_WIRE_DTYPE_SET = frozenset(CARRIED_DTYPES.values())
 
 T = TypeVar("T")
 
@@ -166,7 +189,7 @@ def _check_array(array: Any, what: str, *, writeable: bool = False) -> np.ndarra
     if array.dtype not in _WIRE_DTYPE_SET:  # fast path: a set lookup, no name strings
         name = dtype_to_wire(array.dtype)  # raises TypeError for unsupported dtypes
         raise TypeError(f"{what}: dtype {array.dtype.str} is big-endian; pass "
-                        f"array.astype('{WIRE_DTYPES[name].str}')")
+                        f"array.astype('{CARRIED_DTYPES[name].str}')")
     if writeable and not array.flags.writeable:
         raise ValueError(f"{what} works in place but the array is read-only")
     return array
@@ -472,49 +495,60 @@ class Group:
 
     # -- collectives ---------------------------------------------------------------------
 
-    async def all_reduce(self, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM, *,
+    async def all_reduce(self, array: np.ndarray | Tensor, op: ReduceOp | str = ReduceOp.SUM, *,
                          timeout: float | None = None, async_op: bool = False) -> Any:
         """Reduce ``array`` over all ranks, in place; returns ``array`` (or a ``Work``).
 
         Every rank must pass the same shape and dtype. See the module docstring for the
-        algorithm choice and for ``MEAN`` and ``bool`` semantics.
+        algorithm choice, for ``MEAN`` and ``bool`` semantics and for torch tensors.
         """
         self._check_member("all_reduce")
         op = _as_op(op)
+        tensor = None
+        if not isinstance(array, np.ndarray):
+            tensor, array = array, as_array(array, "all_reduce", writeable=True)
         _check_array(array, "all_reduce", writeable=True)
         check_reduce_dtype(op, array.dtype, "all_reduce")
         work, flat = self._flat(array)
         n = self.world_size
 
-        async def body(chan: Channel) -> np.ndarray:
+        async def body(chan: Channel) -> Any:
             if n > 1 and flat.size:
                 mean = op is ReduceOp.MEAN
                 if flat.nbytes <= self.small_message_bytes:
                     await doubling_all_reduce(chan, flat, op)
                     if mean:
-                        np.divide(flat, n, out=flat)
+                        divide_into(flat, n)
                 else:
                     await ring_all_reduce(chan, flat, op,
                                           self._segment(flat.dtype, flat.nbytes // n, PIECES),
                                           self.pipeline_depth, divisor=n if mean else None)
             if work is not array:
                 array[...] = work
-            return array
+            return array if tensor is None else tensor
 
         return await self._submit("all_reduce", body, timeout, async_op)
 
-    async def reduce_scatter(self, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM, *,
-                             out: np.ndarray | None = None, timeout: float | None = None,
-                             async_op: bool = False) -> Any:
+    async def reduce_scatter(self, array: np.ndarray | Tensor,
+                             op: ReduceOp | str = ReduceOp.SUM, *,
+                             out: np.ndarray | Tensor | None = None,
+                             timeout: float | None = None, async_op: bool = False) -> Any:
         """Reduce ``array`` over all ranks and return this rank's chunk of the result.
 
         ``array`` is flattened and split by ``chunk_bounds(array.size, world_size)`` (the
         first ``size % n`` chunks one element longer); this rank gets chunk ``rank`` as a
         1-D array, or in ``out`` (same dtype, exactly the chunk's number of elements).
-        ``array`` itself is not modified.
+        ``array`` itself is not modified. A tensor ``array`` gives a tensor result.
         """
         self._check_member("reduce_scatter")
         op = _as_op(op)
+        wrap = False
+        if not isinstance(array, np.ndarray):
+            array, wrap = as_array(array, "reduce_scatter"), True
+        staged = None
+        if out is not None and not isinstance(out, np.ndarray):
+            staged = stage_out(out, "reduce_scatter out=")
+            out = staged.array
         _check_array(array, "reduce_scatter")
         check_reduce_dtype(op, array.dtype, "reduce_scatter")
         _, flat = self._flat(array)
@@ -548,12 +582,15 @@ class Group:
                 await ring_reduce_scatter(chan, flat, op, out_flat,
                                           self._segment(flat.dtype, flat.nbytes // n, PIECES))
             if op is ReduceOp.MEAN and n > 1:
-                np.divide(out_flat, n, out=out_flat)
-            return result
+                divide_into(out_flat, n)
+            if staged is not None:
+                return staged.finish()
+            return to_tensor(result) if wrap else result
 
         return await self._submit("reduce_scatter", body, timeout, async_op)
 
-    async def all_gather(self, shard: np.ndarray, *, out: np.ndarray | None = None,
+    async def all_gather(self, shard: np.ndarray | Tensor, *,
+                         out: np.ndarray | Tensor | None = None,
                          timeout: float | None = None, async_op: bool = False) -> Any:
         """Concatenate every rank's ``shard`` along axis 0, in group rank order.
 
@@ -563,9 +600,17 @@ class Group:
         ``(total, *shard.shape[1:])``) the shard sizes are taken to be
         ``chunk_bounds(total, world_size)``, the rule ``reduce_scatter`` and
         ``shard_tensor`` use, no shape exchange happens and every shard lands straight
-        in its final place. A 0-d shard counts as one row.
+        in its final place. A 0-d shard counts as one row. A tensor shard gives a tensor
+        result.
         """
         self._check_member("all_gather")
+        wrap = False
+        if not isinstance(shard, np.ndarray):
+            shard, wrap = as_array(shard, "all_gather"), True
+        staged = None
+        if out is not None and not isinstance(out, np.ndarray):
+            staged = stage_out(out, "all_gather out=")
+            out = staged.array
         _check_array(shard, "all_gather")
         mine = shard.reshape(1) if shard.ndim == 0 else shard
         mine = mine if mine.flags.c_contiguous else np.ascontiguousarray(mine)
@@ -613,35 +658,41 @@ class Group:
                                                             out_flat.nbytes // n, PIECES))
                 finally:
                     chan.waiting_on = data.waiting_on
-            return result
+            if staged is not None:
+                return staged.finish()
+            return to_tensor(result) if wrap else result
 
         return await self._submit("all_gather", body, timeout, async_op)
 
     async def _exchange_shapes(self, chan: Channel, mine: np.ndarray) -> list[int]:
         """All-gather every rank's shard shape and dtype; ``CollectiveMismatchError`` if
         trailing dims or dtypes differ (raised identically on every rank)."""
-        meta = msgpack.packb([mine.dtype.name, list(mine.shape)])
+        name = dtype_to_wire(mine.dtype)  # bfloat16 is one name with or without ml_dtypes
+        meta = msgpack.packb([name, list(mine.shape)])
         blobs = await bruck_all_gather_blobs(chan, meta)
         sizes = []
         for source, blob in enumerate(blobs):
             dtype_name, shape = msgpack.unpackb(blob)
-            if dtype_name != mine.dtype.name or tuple(shape[1:]) != mine.shape[1:]:
+            if dtype_name != name or tuple(shape[1:]) != mine.shape[1:]:
                 raise CollectiveMismatchError(
                     f"all_gather: group rank {source} has a {dtype_name} shard of shape "
-                    f"{tuple(shape)} but group rank {self._rank} has {mine.dtype.name} "
+                    f"{tuple(shape)} but group rank {self._rank} has {name} "
                     f"{mine.shape}; dtype and trailing dims must agree")
             sizes.append(int(shape[0]))
         return sizes
 
-    async def broadcast(self, array: np.ndarray, src: int, *, timeout: float | None = None,
-                        async_op: bool = False) -> Any:
+    async def broadcast(self, array: np.ndarray | Tensor, src: int, *,
+                        timeout: float | None = None, async_op: bool = False) -> Any:
         """Copy ``array`` from group rank ``src`` into ``array`` on every rank, in place."""
         self._check_member("broadcast")
         src = self._peer(src, "broadcast src")
+        tensor = None
+        if not isinstance(array, np.ndarray):
+            tensor, array = array, as_array(array, "broadcast", writeable=True)
         _check_array(array, "broadcast", writeable=True)
         work, flat = self._flat(array)
 
-        async def body(chan: Channel) -> np.ndarray:
+        async def body(chan: Channel) -> Any:
             if self.world_size > 1 and flat.size:
                 if flat.nbytes <= self.small_message_bytes:
                     await tree_broadcast(chan, flat, src)
@@ -652,11 +703,12 @@ class Group:
                     await chain_broadcast(chan, flat, src, segment)
             if work is not array:
                 array[...] = work
-            return array
+            return array if tensor is None else tensor
 
         return await self._submit("broadcast", body, timeout, async_op)
 
-    async def reduce(self, array: np.ndarray, dst: int, op: ReduceOp | str = ReduceOp.SUM, *,
+    async def reduce(self, array: np.ndarray | Tensor, dst: int,
+                     op: ReduceOp | str = ReduceOp.SUM, *,
                      timeout: float | None = None, async_op: bool = False) -> Any:
         """Reduce ``array`` over all ranks into ``array`` on group rank ``dst``.
 
@@ -665,23 +717,26 @@ class Group:
         self._check_member("reduce")
         dst = self._peer(dst, "reduce dst")
         op = _as_op(op)
+        tensor = None
+        if not isinstance(array, np.ndarray):
+            tensor, array = array, as_array(array, "reduce", writeable=self._rank == dst)
         _check_array(array, "reduce", writeable=self._rank == dst)
         check_reduce_dtype(op, array.dtype, "reduce")
         work, flat = self._flat(array)
         n = self.world_size
         root = self._rank == dst
 
-        async def body(chan: Channel) -> np.ndarray:
+        async def body(chan: Channel) -> Any:
             if n > 1 and flat.size:
                 if flat.nbytes <= self.small_message_bytes:
                     await tree_reduce(chan, flat, op, dst, flat if root else flat.copy())
                 else:
                     await self._ring_reduce(chan, flat, op, dst)
                 if root and op is ReduceOp.MEAN:
-                    np.divide(flat, n, out=flat)
+                    divide_into(flat, n)
                 if root and work is not array:
                     array[...] = work
-            return array
+            return array if tensor is None else tensor
 
         return await self._submit("reduce", body, timeout, async_op)
 
@@ -704,48 +759,83 @@ class Group:
         finally:
             chan.waiting_on = gather.waiting_on
 
-    async def gather(self, array: np.ndarray, dst: int, *, timeout: float | None = None,
-                     async_op: bool = False) -> Any:
+    async def gather(self, array: np.ndarray | Tensor, dst: int, *,
+                     timeout: float | None = None, async_op: bool = False) -> Any:
         """Collect every rank's ``array`` on group rank ``dst``.
 
         Returns the list of arrays in group rank order on ``dst`` (its own entry is a
-        copy), None elsewhere. Arrays may differ in shape and dtype.
+        copy), None elsewhere. Arrays may differ in shape and dtype. If ``dst`` passed a
+        tensor, the list holds tensors (over the received buffers).
         """
         self._check_member("gather")
         dst = self._peer(dst, "gather dst")
+        wrap = False
+        if not isinstance(array, np.ndarray):
+            array, wrap = as_array(array, "gather"), True
         _check_array(array, "gather")
         payload = array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
-        async def body(chan: Channel) -> list[np.ndarray] | None:
-            return await linear_gather(chan, payload, dst)
+        async def body(chan: Channel) -> list[Any] | None:
+            results = await linear_gather(chan, payload, dst)
+            if results is None:
+                return None
+            if wrap:
+                return [to_tensor(r) for r in results]
+            return [numpy_result(r, "gather") for r in results]
 
         return await self._submit("gather", body, timeout, async_op)
 
-    async def scatter(self, arrays: Sequence[np.ndarray] | None, src: int, *,
+    async def scatter(self, arrays: Sequence[np.ndarray | Tensor] | None, src: int, *,
+                      out: np.ndarray | Tensor | None = None,
                       timeout: float | None = None, async_op: bool = False) -> Any:
         """Send ``arrays[i]`` from group rank ``src`` to group rank ``i``.
 
         ``arrays`` (one array per rank, any shapes) is read on ``src`` only; pass None
-        elsewhere. Returns this rank's array (a copy on ``src``).
+        elsewhere. Returns this rank's array (a copy on ``src``), or writes it into
+        ``out`` (C-contiguous array or any CPU tensor holding exactly its bytes) and
+        returns ``out``. Tensors from ``src`` come back as tensors there; elsewhere pass
+        a tensor ``out=`` to receive into one.
         """
         self._check_member("scatter")
         src = self._peer(src, "scatter src")
         payloads: list[np.ndarray] | None = None
+        wrap = False
         if self._rank == src:
-            if arrays is None or isinstance(arrays, np.ndarray) or len(arrays) != self.world_size:
+            if (arrays is None or isinstance(arrays, np.ndarray) or is_tensor(arrays)
+                    or len(arrays) != self.world_size):
                 count = "None" if arrays is None else (
-                    "an array" if isinstance(arrays, np.ndarray) else f"{len(arrays)} arrays")
+                    "an array" if isinstance(arrays, np.ndarray) or is_tensor(arrays)
+                    else f"{len(arrays)} arrays")
                 raise ValueError(f"scatter: source rank {src} must pass a list of "
                                  f"{self.world_size} arrays, got {count}")
+            wrap = not isinstance(arrays[self._rank], np.ndarray)
             payloads = [np.ascontiguousarray(_check_array(a, f"scatter arrays[{i}]"))
-                        for i, a in enumerate(arrays)]
+                        for i, a in enumerate(as_arrays(arrays, "scatter arrays"))]
+        staged = None
+        landing: np.ndarray | None = None
+        if out is not None:
+            if isinstance(out, np.ndarray):
+                _check_array(out, "scatter out=", writeable=True)
+                if not out.flags.c_contiguous:
+                    raise ValueError("scatter: out= must be C-contiguous")
+                landing = out
+            else:
+                staged = stage_out(out, "scatter out=")
+                landing = staged.array
+            if payloads is not None and payloads[src].nbytes != landing.nbytes:
+                raise ValueError(f"scatter: out= holds {landing.nbytes} bytes but this rank "
+                                 f"sends itself {payloads[src].nbytes}")
 
-        async def body(chan: Channel) -> np.ndarray:
-            return await linear_scatter(chan, payloads, src)
+        async def body(chan: Channel) -> Any:
+            result = await linear_scatter(chan, payloads, src, landing)
+            if out is None:
+                return to_tensor(result) if wrap else numpy_result(result, "scatter")
+            return out if staged is None else staged.finish()
 
         return await self._submit("scatter", body, timeout, async_op)
 
-    async def all_to_all(self, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray], *,
+    async def all_to_all(self, inputs: Sequence[np.ndarray | Tensor],
+                         outputs: Sequence[np.ndarray | Tensor], *,
                          timeout: float | None = None, async_op: bool = False) -> Any:
         """Send ``inputs[j]`` to group rank ``j`` and receive group rank ``j``'s array for
         this rank into ``outputs[j]``; returns ``outputs``.
@@ -753,7 +843,9 @@ class Group:
         Each rank passes one input and one output array per member (any shapes; every
         ``outputs[j]`` must hold exactly the bytes rank ``j`` sends here, or
         ``CollectiveMismatchError`` names the pair). All exchanges run concurrently, so
-        the time is that of the busiest link rather than a sum of rounds.
+        the time is that of the busiest link rather than a sum of rounds. Inputs and
+        outputs may be tensors (a non-contiguous output tensor is filled through a
+        contiguous copy).
         """
         self._check_member("all_to_all")
         n = self.world_size
@@ -761,18 +853,25 @@ class Group:
             raise ValueError(f"all_to_all needs {n} input and {n} output arrays (one per "
                              f"member), got {len(inputs)} and {len(outputs)}")
         sends = [np.ascontiguousarray(_check_array(a, f"all_to_all inputs[{j}]"))
-                 for j, a in enumerate(inputs)]
-        for j, out in enumerate(outputs):
+                 for j, a in enumerate(as_arrays(inputs, "all_to_all inputs"))]
+        staged = [None if isinstance(o, np.ndarray) else stage_out(o, f"all_to_all outputs[{j}]")
+                  for j, o in enumerate(outputs)]
+        landings: list[np.ndarray] = [o if s is None else s.array  # type: ignore[misc]
+                                      for o, s in zip(outputs, staged)]
+        for j, out in enumerate(landings):
             _check_array(out, f"all_to_all outputs[{j}]", writeable=True)
             if not out.flags.c_contiguous:
                 raise ValueError(f"all_to_all: outputs[{j}] must be C-contiguous")
         me = self._rank
-        if outputs[me].nbytes != sends[me].nbytes:
-            raise ValueError(f"all_to_all: outputs[{me}] holds {outputs[me].nbytes} bytes "
+        if landings[me].nbytes != sends[me].nbytes:
+            raise ValueError(f"all_to_all: outputs[{me}] holds {landings[me].nbytes} bytes "
                              f"but this rank sends itself {sends[me].nbytes}")
 
-        async def body(chan: Channel) -> Sequence[np.ndarray]:
-            await all_to_all_exchange(chan, sends, list(outputs))
+        async def body(chan: Channel) -> Sequence[Any]:
+            await all_to_all_exchange(chan, sends, landings)
+            for s in staged:
+                if s is not None:
+                    s.finish()
             return outputs
 
         return await self._submit("all_to_all", body, timeout, async_op)
@@ -851,11 +950,15 @@ class Group:
 
     async def send(self, array: Any, dst: int, tag: int = 0, *, timeout: float | None = None,
                    async_op: bool = False) -> Any:
-        """Send ``array`` (ndarray or bytes-like) to group rank ``dst`` on ``tag`` (< 2**20).
+        """Send ``array`` (ndarray, CPU tensor or bytes-like) to group rank ``dst`` on
+        ``tag`` (< 2**20).
 
         Tags are namespaced per group: they never meet the parent's or another group's.
+        A non-contiguous array or tensor is sent from a contiguous copy.
         """
         self._check_member("send")
+        if not isinstance(array, np.ndarray) and is_tensor(array):
+            array = as_array(array, "send")
         dst = self._peer(dst, "send dst")
         if dst == self._rank:
             raise ValueError(f"send dst {dst} is this rank")
@@ -868,9 +971,14 @@ class Group:
 
         return await self._p2p("send", body, deadline, dst, async_op)
 
-    async def recv(self, src: int, tag: int = 0, *, out: np.ndarray | None = None,
+    async def recv(self, src: int, tag: int = 0, *, out: np.ndarray | Tensor | None = None,
                    timeout: float | None = None, async_op: bool = False) -> Any:
-        """Receive the next message from group rank ``src`` on ``tag`` (into ``out``)."""
+        """Receive the next message from group rank ``src`` on ``tag`` (into ``out``).
+
+        ``out`` may be a CPU tensor (a non-contiguous one is filled through a contiguous
+        copy); it is returned. Without ``out`` the message comes back as a new array
+        (bfloat16 without ``ml_dtypes``: see the module docstring).
+        """
         self._check_member("recv")
         src = self._peer(src, "recv src")
         if src == self._rank:
@@ -878,9 +986,20 @@ class Group:
         wire_tag = self._p2p_tag(tag)
         deadline = _timeout_value(timeout, "timeout") or self._timeout
         source = self._ranks[src]
+        staged = None
+        landing: np.ndarray | None = None
+        if isinstance(out, np.ndarray):
+            landing = out
+        elif out is not None:
+            staged = stage_out(out, "recv out=")
+            landing = staged.array
 
-        async def body() -> np.ndarray:
-            return await self._transport.recv(source, tag=wire_tag, out=out, timeout=deadline)
+        async def body() -> Any:
+            result = await self._transport.recv(source, tag=wire_tag, out=landing,
+                                                timeout=deadline)
+            if staged is not None:
+                return staged.finish()
+            return result if out is not None else numpy_result(result, "recv")
 
         return await self._p2p("recv", body, deadline, src, async_op)
 

@@ -31,7 +31,7 @@ from netdist.collectives.plan import (
     ring_all_reduce_plan,
     ring_reduce_scatter_plan,
 )
-from netdist.types import ReduceOp, reduce_into
+from netdist.types import ReduceOp, divide_into, reduce_into
 
 __all__ = [
     "run_pipeline",
@@ -184,7 +184,7 @@ async def ring_all_reduce(chan: Channel, flat: np.ndarray, op: ReduceOp, segment
                 target = flat[r.start:r.stop]
                 reduce_into(op, target, recvs[j][0])
                 if divisor is not None and r.step == last_reduce_step:
-                    np.divide(target, divisor, out=target)
+                    divide_into(target, divisor)
 
         await run_pipeline(chan, plan.send_to, _ring_sends(plan, flat), plan.recv_from,
                            recvs, combine)

@@ -221,15 +221,20 @@ async def linear_gather(chan: Channel, array: np.ndarray, root: int) -> list[np.
 
 
 async def linear_scatter(chan: Channel, arrays: list[np.ndarray] | None,
-                         root: int) -> np.ndarray:
-    """The root sends ``arrays[i]`` to group rank ``i``; returns this rank's array."""
+                         root: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The root sends ``arrays[i]`` to group rank ``i``; returns this rank's array (in
+    ``out`` if given: C-contiguous, holding exactly the bytes this rank gets)."""
     if chan.rank != root:
-        return await chan.recv(root)
+        return await chan.recv(root, out)
     if arrays is None:  # validated by the caller; kept for type narrowing
         raise ValueError("scatter needs arrays on the source rank")
     await gather_tasks([chan.send(p, arrays[p])
                          for p in range(chan.world_size) if p != root])
-    return arrays[root].copy()
+    if out is None:
+        return arrays[root].copy()
+    if arrays[root].nbytes:
+        byte_view(out)[...] = byte_view(arrays[root])
+    return out
 
 
 async def all_to_all_exchange(chan: Channel, sends: list[np.ndarray],

@@ -18,15 +18,34 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FP16_MAX", "cast_to_fp16", "Fp16Compressor"]
+from netdist.tensors import as_array, is_tensor
+from netdist.types import bfloat16_to_float32, is_bfloat16
+
+__all__ = ["FP16_MAX", "cast_to_fp16", "Fp16Compressor", "float_input"]
+
+
+def float_input(array: Any, what: str) -> np.ndarray:
+    """``array`` as compression reads it: a CPU torch tensor through a NumPy view of its
+    memory, bfloat16 (torch's or ``ml_dtypes``') widened exactly to a float32 copy,
+    anything else through ``np.asarray``."""
+    if not isinstance(array, np.ndarray) and is_tensor(array):
+        array = as_array(array, what)
+    array = np.asarray(array)
+    if array.dtype.kind == "V" and is_bfloat16(array.dtype):
+        return bfloat16_to_float32(np.ascontiguousarray(array))
+    return array
 
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504.0
 
 
 def cast_to_fp16(array: np.ndarray, *, scale: float = 1.0,
                  out: np.ndarray | None = None) -> np.ndarray:
-    """``array * scale`` rounded to float16, saturating at +-65504; into ``out`` if given."""
-    array = np.asarray(array)
+    """``array * scale`` rounded to float16, saturating at +-65504; into ``out`` if given.
+
+    ``array`` may be a CPU torch tensor (read through a view of its memory) and may be
+    bfloat16 (widened to float32 exactly, then scaled and rounded once).
+    """
+    array = float_input(array, "cast_to_fp16")
     if array.dtype.kind != "f":
         raise TypeError(f"fp16 compression needs a floating array, got {array.dtype}")
     if out is None:
@@ -56,8 +75,11 @@ class Fp16Compressor:
         self.residuals = []
 
     def compress(self, grads: Sequence[np.ndarray], *, scale: float = 1.0) -> list[np.ndarray]:
-        """float16 copies of ``grads * scale`` (plus the carried error, if enabled)."""
-        arrays = [np.asarray(g) for g in grads]
+        """float16 copies of ``grads * scale`` (plus the carried error, if enabled).
+
+        Gradients may be CPU torch tensors; bfloat16 ones are widened to float32 first
+        (so are their residuals)."""
+        arrays = [float_input(g, f"gradient {i}") for i, g in enumerate(grads)]
         if not self.error_feedback:
             return [cast_to_fp16(g, scale=scale) for g in arrays]
         if not self.residuals:

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from netdist.compression.fp16 import float_input
+
 __all__ = [
     "CompressedGradient",
     "TopKCompressor",
@@ -179,9 +181,11 @@ class TopKCompressor:
     def compress(self, grads: Sequence[np.ndarray]) -> list[CompressedGradient]:
         """Select the top-k of each (gradient + residual); keep the rest as residual.
 
-        The caller's arrays are not modified.
+        The caller's arrays are not modified. Gradients may be CPU torch tensors;
+        bfloat16 ones are selected in float32 (exact), so their values and residuals are
+        float32.
         """
-        arrays = [np.asarray(g) for g in grads]
+        arrays = [float_input(g, f"gradient {i}") for i, g in enumerate(grads)]
         for i, g in enumerate(arrays):
             if g.dtype.kind != "f":
                 raise TypeError(f"gradient {i} has dtype {g.dtype}; top-k needs floats")

@@ -38,6 +38,18 @@ contribution); the payload is the figure compression changes.
 Averaging uses ``ReduceOp.MEAN`` (sum, then one division by the group size) so the
 result equals single-process training on the union of the ranks' batches up to rounding,
 and every rank receives bitwise-identical averages.
+
+Torch tensors. Gradients may be CPU torch tensors (``param.grad``) wherever arrays
+are accepted (``aggregate``, ``begin``, ``ready``, ``finish``, ``bucket_views``): netdist
+works on NumPy views of their memory (``netdist.tensors``), averages them in place and
+returns the same tensors; ``bucket_views`` of tensors are tensors over the buckets. A
+non-contiguous tensor is packed from and drained back into its strided memory, as a
+non-contiguous array is. bfloat16 gradients (``torch.bfloat16``, or ``ml_dtypes``'
+bfloat16) are averaged in bfloat16 buckets, with or without ``ml_dtypes``: summed
+pairwise and divided as torch computes bfloat16 (``netdist.types``). The float16 variant
+converts them to float16 and back; ``TopKAggregator`` selects, accumulates and sends
+their values in float32 (so the error-feedback residual keeps float32 precision) and
+rounds the average back to bfloat16.
 """
 
 from __future__ import annotations
@@ -55,7 +67,15 @@ import numpy as np
 from netdist.compression.fp16 import cast_to_fp16
 from netdist.compression.topk import TopKCompressor, index_dtype
 from netdist.errors import CollectiveError, CollectiveMismatchError
-from netdist.types import WIRE_DTYPES, ReduceOp, thread_safe
+from netdist.tensors import as_array, to_tensor
+from netdist.types import (
+    CARRIED_DTYPES,
+    ReduceOp,
+    bfloat16_to_float32,
+    float32_to_bfloat16,
+    is_bfloat16,
+    thread_safe,
+)
 
 if TYPE_CHECKING:  # the collectives import asyncio; keep the type-only dependency lazy
     from netdist.collectives import Group
@@ -110,14 +130,60 @@ class OverlapAggregator(Protocol):
         ...
 
 
-def _check_grads(grads: Sequence[np.ndarray]) -> list[np.ndarray]:
+def _grad_array(i: int, g: Any) -> np.ndarray:
+    """Gradient ``i`` as an array: itself, or a NumPy view of a CPU tensor's memory."""
+    if not isinstance(g, np.ndarray):
+        try:
+            g = as_array(g, f"gradient {i}", writeable=True)
+        except TypeError:
+            raise TypeError(f"gradient {i} is a {type(g).__name__}, expected a numpy array "
+                            "or a CPU torch.Tensor") from None
+    if g.dtype.kind != "f" and not is_bfloat16(g.dtype):
+        raise TypeError(f"gradient {i} has dtype {g.dtype}; gradients must be floating point")
+    return g
+
+
+def _check_grads(grads: Sequence[Any]) -> tuple[list[np.ndarray], list[Any] | None]:
+    """``(arrays, tensors)``: the gradients as arrays, and (if any was a tensor) the
+    tensors by index (None where an array was given) to hand the results back as."""
     arrays = list(grads)
+    tensors: list[Any] | None = None
     for i, g in enumerate(arrays):
         if not isinstance(g, np.ndarray):
-            raise TypeError(f"gradient {i} is a {type(g).__name__}, expected a numpy array")
-        if g.dtype.kind != "f" and g.dtype.name != "bfloat16":
-            raise TypeError(f"gradient {i} has dtype {g.dtype}; gradients must be floating point")
-    return arrays
+            if tensors is None:
+                tensors = [None] * len(arrays)
+            tensors[i] = g
+        arrays[i] = _grad_array(i, g)
+    return arrays, tensors
+
+
+def _as_given(results: list[np.ndarray], arrays: Sequence[np.ndarray],
+              tensors: Sequence[Any] | None) -> list[Any]:
+    """The results as the caller passed the gradients: a tensor's own tensor where the
+    average was written into it, a tensor over a fresh result otherwise."""
+    if tensors is None:
+        return results
+    return [r if t is None else (t if r is a else to_tensor(r))
+            for r, a, t in zip(results, arrays, tensors)]
+
+
+def _cast_into(target: np.ndarray, source: np.ndarray) -> None:
+    """``target[...] = source`` converting floating dtypes (bfloat16 through float32,
+    rounded to nearest even as torch casts)."""
+    if target.dtype.kind == "V":
+        float32_to_bfloat16(source if source.dtype == np.float32
+                            else _widen(source).astype(np.float32), out=target)
+    elif source.dtype.kind == "V":
+        np.copyto(target, bfloat16_to_float32(source), casting="same_kind")
+    else:
+        np.copyto(target, source, casting="same_kind")
+
+
+def _widen(array: np.ndarray) -> np.ndarray:
+    """bfloat16 as float32 (exact, a new array of the same shape); other dtypes as they are."""
+    if array.dtype.kind == "V":
+        return bfloat16_to_float32(np.ascontiguousarray(array))
+    return array
 
 
 class LocalAggregator:
@@ -130,9 +196,9 @@ class LocalAggregator:
 
     async def aggregate(self, grads: list[np.ndarray]) -> list[np.ndarray]:
         """Return ``grads`` unchanged (as a new list)."""
-        arrays = _check_grads(grads)
+        _check_grads(grads)
         self.steps += 1
-        return arrays
+        return list(grads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,12 +230,12 @@ def dtype_key(dtype: Any) -> str:
     bfloat16 it is only ``'<V2'`` (raw bytes), so those are named by their wire name.
     """
     dt = np.dtype(dtype)
-    return dt.name if dt.kind == "V" and dt.name in WIRE_DTYPES else dt.str
+    return "bfloat16" if dt.kind == "V" and is_bfloat16(dt) else dt.str
 
 
 def key_dtype(key: str) -> np.dtype[Any]:
-    """The dtype a ``dtype_key`` names."""
-    return WIRE_DTYPES[key] if key == "bfloat16" and key in WIRE_DTYPES else np.dtype(key)
+    """The dtype a ``dtype_key`` names (bfloat16: ``netdist.types.BFLOAT16``)."""
+    return CARRIED_DTYPES[key] if key == "bfloat16" else np.dtype(key)
 
 
 def plan_buckets(sizes: Sequence[int], dtypes: Sequence[Any], bucket_bytes: int, *,
@@ -284,9 +350,10 @@ class AllReduceAggregator:
         passes add into them in place) and ``aggregate`` moves no bytes locally: each
         bucket is all-reduced where the gradients already are (PyTorch DDP's
         ``gradient_as_bucket_view``). Call it before the first ``aggregate``; the views
-        stay valid while the gradients keep their shapes and dtypes.
+        stay valid while the gradients keep their shapes and dtypes. Tensors in ``like``
+        get tensors over the bucket storage (``param.grad = view`` works as it is).
         """
-        arrays = _check_grads(like)
+        arrays, tensors = _check_grads(like)
         self._prepare(arrays)
         views: list[np.ndarray] = [np.zeros(g.shape, dtype=g.dtype) for g in arrays]
         for b, bucket in enumerate(self._plan):
@@ -294,7 +361,9 @@ class AllReduceAggregator:
             buf[...] = 0
             for e in bucket.entries:
                 views[e.index] = buf[e.offset:e.offset + e.size].reshape(arrays[e.index].shape)
-        return views
+        if tensors is None:
+            return views
+        return [v if t is None else to_tensor(v) for v, t in zip(views, tensors)]
 
     @staticmethod
     def _in_bucket(g: np.ndarray, buf: np.ndarray, e: BucketEntry) -> bool:
@@ -316,10 +385,10 @@ class AllReduceAggregator:
         event loop just before its all-reduce is launched, so packing bucket ``k + 1``
         overlaps with bucket ``k`` on the wire.
         """
-        arrays = _check_grads(grads)
-        session = self._open(arrays, pack_on_ready=False)
-        for i, g in enumerate(arrays):
-            session.ready(i, g)
+        arrays, tensors = _check_grads(grads)
+        session = self._open(arrays, pack_on_ready=False, tensors=tensors)
+        for i in range(len(arrays)):
+            session.ready(i)  # like[i]: the array, and the tensor it views if any
         return await session.finish()
 
     def begin(self, like: Sequence[np.ndarray]) -> OverlapSession:
@@ -332,9 +401,11 @@ class AllReduceAggregator:
         plan); its arrays are the default gradients of ``ready(i)``. The aggregator is
         busy until the session finishes or is closed.
         """
-        return self._open(_check_grads(like), pack_on_ready=True)
+        arrays, tensors = _check_grads(like)
+        return self._open(arrays, pack_on_ready=True, tensors=tensors)
 
-    def _open(self, arrays: list[np.ndarray], *, pack_on_ready: bool) -> OverlapSession:
+    def _open(self, arrays: list[np.ndarray], *, pack_on_ready: bool,
+              tensors: list[Any] | None = None) -> OverlapSession:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -350,7 +421,8 @@ class AllReduceAggregator:
             self._prepare(arrays)
         self._busy = True
         try:
-            return OverlapSession(self, arrays, loop, pack_on_ready=pack_on_ready)
+            return OverlapSession(self, arrays, loop, pack_on_ready=pack_on_ready,
+                                  tensors=tensors)
         except BaseException:
             self._busy = False
             raise
@@ -430,8 +502,10 @@ class OverlapSession:
     """
 
     def __init__(self, aggregator: AllReduceAggregator, like: list[np.ndarray],
-                 loop: asyncio.AbstractEventLoop, *, pack_on_ready: bool) -> None:
-        """Use ``aggregator.begin(like)``; this runs on the loop with the plan prepared."""
+                 loop: asyncio.AbstractEventLoop, *, pack_on_ready: bool,
+                 tensors: list[Any] | None = None) -> None:
+        """Use ``aggregator.begin(like)``; this runs on the loop with the plan prepared.
+        ``tensors[i]`` is the tensor ``like[i]`` views (None: an array was given)."""
         self._agg = aggregator
         self._layout = [(g.shape, g.dtype) for g in like]
         self._like = like
@@ -451,6 +525,8 @@ class OverlapSession:
         self._grads: list[np.ndarray] = list(like)
         """The reported gradients (``like``'s arrays until reported)."""
         self._results: list[np.ndarray] = list(like)
+        self._tensors: list[Any] | None = None if tensors is None else list(tensors)
+        """Per gradient, the tensor it was given as (results go back as tensors)."""
         self._lock = threading.Lock()
         self._state = SessionState.OPEN
         self._error: BaseException | None = None
@@ -486,6 +562,9 @@ class OverlapSession:
         that is no longer open (failed, finished or closed).
         """
         i = self._check_index(index)
+        tensor = None
+        if grad is not None and not isinstance(grad, np.ndarray):
+            tensor = grad
         g = self._like[i] if grad is None else self._check_grad(i, grad)
         with self._lock:
             if self._state is not SessionState.OPEN:
@@ -495,6 +574,12 @@ class OverlapSession:
             self._reported[i] = True
             self._grads[i] = g
             self._results[i] = g
+            if tensor is not None:
+                if self._tensors is None:
+                    self._tensors = [None] * len(self._layout)
+                self._tensors[i] = tensor
+            elif grad is not None and self._tensors is not None:
+                self._tensors[i] = None
             b = self._bucket_of[i]
             if b < 0:
                 return  # empty gradients take no part in the all-reduce
@@ -514,10 +599,14 @@ class OverlapSession:
                                   f"{len(self._layout)} gradients")
         return i
 
-    def _check_grad(self, i: int, grad: np.ndarray) -> np.ndarray:
+    def _check_grad(self, i: int, grad: Any) -> np.ndarray:
         if not isinstance(grad, np.ndarray):
-            raise CollectiveMismatchError(
-                f"gradient {i} is a {type(grad).__name__}, expected a numpy array")
+            try:
+                grad = as_array(grad, f"gradient {i}", writeable=True)
+            except TypeError:
+                raise CollectiveMismatchError(
+                    f"gradient {i} is a {type(grad).__name__}, expected a numpy array "
+                    "or a CPU torch.Tensor") from None
         shape, dtype = self._layout[i]
         if grad.shape != shape or grad.dtype != dtype:
             raise CollectiveMismatchError(
@@ -654,7 +743,7 @@ class OverlapSession:
             self._release()
         with self._lock:
             self._state = SessionState.FINISHED
-        return self._results
+        return _as_given(self._results, self._grads, self._tensors)
 
     def _close(self) -> bool:
         """Mark the session closed (if still open) and cancel the driver; True if it was
@@ -719,7 +808,7 @@ class Fp16AllReduceAggregator(AllReduceAggregator):
         cast_to_fp16(grad, scale=1.0 / self.group.world_size, out=target)
 
     def _drain(self, source: np.ndarray, grad: np.ndarray) -> None:
-        np.copyto(grad, source, casting="same_kind")
+        _cast_into(grad, source)
 
 
 class TopKAggregator:
@@ -775,21 +864,22 @@ class TopKAggregator:
 
     async def aggregate(self, grads: list[np.ndarray]) -> list[np.ndarray]:
         """Average the top-k-compressed gradients of all ranks."""
-        arrays = _check_grads(grads)
+        arrays, tensors = _check_grads(grads)
         if self._busy:
             raise CollectiveError("aggregate() called while a previous call on this "
                                   "aggregator is still running (its buffers are shared)")
         self._busy = True
         try:
-            return await self._aggregate(arrays)
+            return _as_given(await self._aggregate(arrays), arrays, tensors)
         finally:
             self._busy = False
 
     async def _aggregate(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         self.steps += 1
-        self._prepare(arrays)
+        work = [_widen(g) for g in arrays]  # bfloat16 is selected and summed in float32
+        self._prepare(work)
         world = self.group.world_size
-        compressed = self.compressor.compress(arrays)
+        compressed = self.compressor.compress(work)
         payload = self._payload
         for (offset, k, idt, voff, _), cg in zip(self._segments, compressed):
             payload[offset:voff] = cg.indices.astype(idt, copy=False).view(np.uint8)
@@ -813,7 +903,13 @@ class TopKAggregator:
                 vals = gathered[base + voff:base + voff + k * vdt.itemsize].view(vdt)
                 acc[idx] += vals  # indices are unique within one rank's contribution
             target = acc.reshape(g.shape)
-            if g.flags.writeable:
+            if g.dtype.kind == "V":  # bfloat16: the float32 average, rounded once
+                np.divide(target, world, out=target)
+                if g.flags.writeable:
+                    float32_to_bfloat16(target, out=g)
+                else:
+                    results[i] = float32_to_bfloat16(target)
+            elif g.flags.writeable:
                 np.divide(target, world, out=g)
             else:
                 results[i] = target / world

@@ -15,6 +15,13 @@
 (``client.step(grads, out=[p.data for p in model.parameters()])`` does that in place)
 instead of running a local optimizer.
 
+Torch tensors: parameters, gradients and ``out=`` targets may be CPU torch tensors
+(or a name -> tensor mapping such as ``dict(model.named_parameters())``). They are read
+and written through NumPy views of their memory (``netdist.tensors``); a non-contiguous
+``out=`` tensor is filled through a contiguous copy that is copied back. Results come
+back as tensors when tensors went in: ``init`` of tensors makes ``pull``/``step`` without
+``out=`` return new tensors, and ``out=`` tensors are returned as they are.
+
 Every request goes to all servers concurrently. To each server it is a control header
 and then that server's share in segments (``plan_segments``): a large slice travels as
 its own message, straight from and into the tensor's memory, and runs of small slices
@@ -56,6 +63,7 @@ from netdist.ps.state import (
     plan_shards,
     specs_from_arrays,
 )
+from netdist.tensors import StagedOut, as_array, is_tensor, stage_out, to_tensor
 from netdist.transport.base import Transport
 from netdist.types import dtype_from_wire
 
@@ -96,6 +104,8 @@ class PSClient(WorkerSession):
         self._segments: list[tuple[Segment, ...]] = []
         self._dtype = np.dtype(np.float64)
         self._pushed_since_pull = False
+        self._tensors = False
+        """init() got torch tensors: results without out= come back as tensors."""
         self._sequence = 0
         self._state = "new"  # new -> ready -> closed
         self.aborted = False
@@ -144,6 +154,10 @@ class PSClient(WorkerSession):
                                           or isinstance(max_staleness, bool)
                                           or max_staleness < 0):
             raise ValueError(f"max_staleness must be None or an int >= 0, got {max_staleness!r}")
+        values = params.values() if isinstance(params, Mapping) else params
+        tensors = not isinstance(params, np.ndarray) and any(is_tensor(v) for v in values)
+        if tensors:
+            params = self._arrays_of(params)
         specs = specs_from_arrays(params)
         plan = plan_shards(specs, self.num_servers, bigarray_bound=bigarray_bound)
         arrays = self._as_list(params, [s.name for s in specs])
@@ -176,6 +190,7 @@ class PSClient(WorkerSession):
         self._dtype = dtype
         self._push_bufs = [np.empty(n, dtype) for n in plan.server_sizes]
         self._pull_bufs = [np.empty(n, dtype) for n in plan.server_sizes]
+        self._tensors = tensors
         self._state = "ready"
         return await self.pull()
 
@@ -200,11 +215,11 @@ class PSClient(WorkerSession):
         and returns it.
         """
         plan = self._ready("pull")
-        targets = self._outputs(plan, out)
+        targets, staged = self._outputs(plan, out)
         await self._all([self._request(s, PULL, None, targets, "pull")
                          for s in range(self.num_servers)])
         self._pushed_since_pull = False
-        return targets
+        return self._results(targets, out, staged)
 
     async def step(self, grads: Tensors, *,
                    out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
@@ -216,12 +231,12 @@ class PSClient(WorkerSession):
         plan = self._ready("step")
         arrays = self._as_list(grads, self.names)
         plan.check_arrays(arrays, writable=False)
-        targets = self._outputs(plan, out)
+        targets, staged = self._outputs(plan, out)
         self._check_push()
         await self._all([self._request(s, PUSH | PULL, arrays, targets, "step")
                          for s in range(self.num_servers)])
         self._pushed_since_pull = False
-        return targets
+        return self._results(targets, out, staged)
 
     async def close(self) -> None:
         """Tell every server this worker is done. Idempotent."""
@@ -284,26 +299,55 @@ class PSClient(WorkerSession):
                 "every push must be followed by a pull (or use step())")
 
     @staticmethod
-    def _as_list(tensors: Tensors, names: Sequence[str]) -> list[np.ndarray]:
+    def _arrays_of(tensors: Any) -> Any:
+        """``tensors`` (a sequence or mapping) with every torch tensor replaced by a NumPy
+        view of its memory."""
+        if isinstance(tensors, Mapping):
+            return {k: v if isinstance(v, np.ndarray) or not is_tensor(v)
+                    else as_array(v, f"tensor {k!r}") for k, v in tensors.items()}
+        if is_tensor(tensors):
+            raise TypeError("expected a list of tensors, got a single torch.Tensor")
+        return [v if isinstance(v, np.ndarray) or not is_tensor(v)
+                else as_array(v, f"tensor {i}") for i, v in enumerate(tensors)]
+
+    @classmethod
+    def _as_list(cls, tensors: Tensors, names: Sequence[str]) -> list[np.ndarray]:
         if isinstance(tensors, Mapping):
             missing = [n for n in names if n not in tensors]
             extra = [k for k in tensors if k not in set(names)]
             if missing or extra:
                 raise ValueError(f"tensors do not match the registered names: missing "
                                  f"{missing}, unexpected {extra}")
-            return [tensors[n] for n in names]
+            return cls._arrays_of([tensors[n] for n in names])  # type: ignore[no-any-return]
         if isinstance(tensors, np.ndarray):
             raise TypeError("expected a list of arrays, got a single numpy.ndarray")
-        return list(tensors)
+        return cls._arrays_of(tensors)  # type: ignore[no-any-return]
 
     @staticmethod
-    def _outputs(plan: ShardPlan, out: Sequence[np.ndarray] | None) -> list[np.ndarray]:
+    def _outputs(plan: ShardPlan, out: Sequence[Any] | None
+                 ) -> tuple[list[np.ndarray], list[StagedOut | None] | None]:
+        """The arrays a pull lands in, and the staged ``out=`` tensors to finish."""
         if out is None:
             dtype = dtype_from_wire(plan.dtype)
-            return [np.empty(s.shape, dtype) for s in plan.specs]
+            return [np.empty(s.shape, dtype) for s in plan.specs], None
         targets = list(out)
+        staged: list[StagedOut | None] | None = None
+        if any(is_tensor(t) for t in targets):
+            staged = [stage_out(t, f"out[{i}]") if is_tensor(t) else None
+                      for i, t in enumerate(targets)]
+            targets = [t if s is None else s.array for t, s in zip(targets, staged)]
         plan.check_arrays(targets, writable=True)
-        return targets
+        return targets, staged
+
+    def _results(self, targets: list[np.ndarray], out: Sequence[Any] | None,
+                 staged: list[StagedOut | None] | None) -> list[Any]:
+        """What ``pull``/``step`` return: ``out`` as given (staged tensors copied back),
+        or the fresh arrays, as tensors if ``init`` got tensors."""
+        if out is None:
+            return [to_tensor(t) for t in targets] if self._tensors else targets
+        if staged is None:
+            return targets
+        return [t if s is None else s.finish() for t, s in zip(targets, staged)]
 
     async def _send(self, server: int, stream: ShardedStream, data: Any, what: str, *,
                     index: int = 0) -> None:

@@ -5,8 +5,8 @@ storage, so a collective that works in place on the array works in place on the 
 A non-contiguous tensor is staged through a contiguous copy that ``Staged.finish`` copies
 back, as Gloo does. Moving data (broadcast, gathers, all-to-all, send/recv) uses the bytes
 of the tensor (``as_bytes``), so every dtype moves, complex and bfloat16 included; reducing
-needs the element type (``as_array``): bfloat16 through ``ml_dtypes``, complex as pairs
-of reals (torch's own frontends pass complex tensors to reductions as ``view_as_real``).
+needs the element type (``as_array``): bfloat16 as netdist carries it (no extra needed),
+complex as pairs of reals (torch's own frontends pass complex tensors to reductions as ``view_as_real``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from netdist.types import WIRE_DTYPES
+from netdist.tensors import as_array as core_as_array
 
 __all__ = ["Staged", "stage", "as_array", "as_bytes", "check_cpu"]
 
@@ -34,20 +34,15 @@ def check_cpu(tensor: torch.Tensor, op: str) -> None:
 
 
 def as_array(tensor: torch.Tensor, op: str) -> np.ndarray:
-    """A NumPy view of contiguous CPU ``tensor`` with its element type (for reductions)."""
+    """A NumPy view of contiguous CPU ``tensor`` with its element type (for reductions).
+
+    bfloat16 comes through ``netdist.tensors`` (ml_dtypes' type when installed, else the
+    raw 16-bit type netdist reduces exactly as torch does); complex as pairs of reals.
+    """
     t = tensor.detach()
-    if t.dtype is torch.bfloat16:
-        bf16 = WIRE_DTYPES.get("bfloat16")
-        if bf16 is None:
-            raise TypeError(f"{op}: reducing bfloat16 needs ml_dtypes "
-                            "(pip install 'netdist[torch]')")
-        return t.view(torch.int16).numpy().view(bf16)
     if t.is_complex():
         t = torch.view_as_real(t)
-    try:
-        return t.numpy()
-    except TypeError as exc:
-        raise TypeError(f"{op}: the netdist backend cannot reduce {tensor.dtype}: {exc}") from None
+    return core_as_array(t, op)
 
 
 def as_bytes(tensor: torch.Tensor) -> np.ndarray:

@@ -41,7 +41,7 @@ import numpy as np
 
 from netdist.config import WireLimits
 from netdist.errors import LocalProtocolError, RemoteProtocolError
-from netdist.types import WIRE_DTYPES
+from netdist.types import CARRIED_DTYPES
 from netdist.wire.frame import (
     MAGIC,
     MAX_TAG,
@@ -192,8 +192,9 @@ class FrameDecoder:
         self._max_header = limits.max_header_bytes
         self._max_payload = limits.max_payload_bytes
         self._max_ndim = limits.max_ndim
-        names = WIRE_DTYPES if limits.allowed_dtypes is None else limits.allowed_dtypes
-        self._dtypes = {name: WIRE_DTYPES[name] for name in names if name in WIRE_DTYPES}
+        # bfloat16 decodes with or without ml_dtypes (as netdist.types.BFLOAT16_RAW without)
+        names = CARRIED_DTYPES if limits.allowed_dtypes is None else limits.allowed_dtypes
+        self._dtypes = {name: CARRIED_DTYPES[name] for name in names if name in CARRIED_DTYPES}
 
     def set_limits(self, limits: WireLimits, *, scratch_bytes: int | None = None) -> None:
         """Decode from the next frame on under ``limits``; keep every byte buffered so far.

@@ -33,7 +33,7 @@ import numpy as np
 
 from netdist.config import WireLimits
 from netdist.errors import LocalProtocolError
-from netdist.types import WIRE_DTYPES
+from netdist.types import CARRIED_DTYPES, WIRE_DTYPES
 
 __all__ = [
     "MAGIC",
@@ -102,7 +102,7 @@ def _short(value: object, limit: int = 80) -> str:
 
 # dtype -> (wire name, needs a byte swap); covers both byte orders of every wire dtype
 _WIRE_NAME: dict[np.dtype[Any], tuple[str, bool]] = {}
-for _name, _dt in WIRE_DTYPES.items():
+for _name, _dt in CARRIED_DTYPES.items():  # bfloat16 too, with or without ml_dtypes
     _WIRE_NAME[_dt] = (_name, False)
     if _dt.itemsize > 1 and _dt.byteorder != "|":
         _swapped = _dt.newbyteorder(">" if not _BIG_ENDIAN_HOST else "<")
@@ -118,7 +118,7 @@ def _wire_name(dtype: np.dtype[Any]) -> tuple[str, bool]:
     name = dtype.name
     if name not in WIRE_DTYPES:
         raise LocalProtocolError(
-            f"dtype {dtype} cannot be sent (supported: {', '.join(WIRE_DTYPES)})")
+            f"dtype {dtype} cannot be sent (supported: {', '.join(CARRIED_DTYPES)})")
     order = dtype.byteorder
     return name, order == ">" or (order == "=" and _BIG_ENDIAN_HOST)
 
@@ -155,7 +155,7 @@ def as_wire_array(data: Any) -> np.ndarray:
     they are (no copy). Big-endian or non-contiguous input is normalised with one explicit
     copy, because the payload is raw little-endian C-order bytes. Anything else goes
     through ``np.asarray``. Raises ``LocalProtocolError`` for a dtype the wire cannot
-    carry (see ``netdist.types.WIRE_DTYPES``).
+    carry (see ``netdist.types.CARRIED_DTYPES``).
     """
     return _normalise(data)[0]
 

@@ -13,10 +13,13 @@ import time
 from datetime import timedelta
 from typing import Any
 
-import torch
-import torch.distributed as dist
+if os.environ.get("HIDE_ML_DTYPES") == "1":
+    sys.modules["ml_dtypes"] = None  # type: ignore[assignment] - as if not installed
 
-import netdist.torch  # noqa: F401 - registers the backend
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import netdist.torch  # noqa: E402,F401 - registers the backend
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
           torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64]
@@ -158,11 +161,31 @@ def main() -> None:
         result = ops(rank, world, backend)
     elif scenario in ("peer_dies", "peer_stalls"):
         result = failure(scenario, rank, out_dir)
+    elif scenario == "bf16":
+        result = bf16(rank, world)
     elif scenario == "ddp_peer_dies":
         result = ddp_failure(rank, out_dir)
     with open(os.path.join(out_dir, f"{scenario}-{backend}-{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
+
+
+def bf16(rank: int, world: int) -> dict[str, Any]:
+    """bfloat16 reductions against torch's own bf16 arithmetic in rank order."""
+    def data(r: int) -> torch.Tensor:
+        return torch.randn(4096, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+
+    out: dict[str, Any] = {"ml_dtypes": "ml_dtypes" in sys.modules
+                           and sys.modules["ml_dtypes"] is not None}
+    for name, op, fold in (("SUM", dist.ReduceOp.SUM, torch.add),
+                           ("MAX", dist.ReduceOp.MAX, torch.maximum)):
+        t = data(rank)
+        dist.all_reduce(t, op=op)
+        expected = data(0)
+        for r in range(1, world):
+            expected = fold(expected, data(r))
+        out[name] = bool(torch.equal(t.view(torch.int16), expected.view(torch.int16)))
+    return out
 
 
 def ddp_failure(rank: int, out_dir: str) -> dict[str, Any]:

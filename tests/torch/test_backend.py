@@ -121,3 +121,13 @@ def test_ddp_backward_raises_netdists_error_when_a_peer_dies(tmp_path: Path) -> 
     assert report["step"] == 2, report
     assert "rank 1" in report["message"] and "all_reduce" in report["message"], report
     assert "Unable to cast" not in report["message"], report
+
+
+@pytest.mark.parametrize("hide_ml_dtypes", [False, True])
+def test_bfloat16_reductions_match_torch_with_or_without_ml_dtypes(
+        tmp_path: Path, hide_ml_dtypes: bool) -> None:
+    env = {"HIDE_ML_DTYPES": "1"} if hide_ml_dtypes else {}
+    results = run_ranks("bf16", "netdist", 2, tmp_path, env=env)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    for report in _load(tmp_path, "bf16", "netdist", 2):
+        assert report == {"ml_dtypes": not hide_ml_dtypes, "SUM": True, "MAX": True}
