@@ -11,7 +11,10 @@ Entry points:
 
 - collective, over a ``Group``: ``await save(state, dir, group, step=N, keep_last=K)`` and
   ``await load(dir, group, like=state)`` for nested training state (parameters,
-  ``ShardedArray`` shards, optimizer state, counters, RNGs);
+  ``ShardedArray`` shards, optimizer state, counters, RNGs), torch included: tensors,
+  ``state_dict()``s as they are, and modules / optimizers / ``RNGState`` themselves,
+  restored in place through ``load_state_dict()`` (lazy optimizer state created, tied
+  weights stored once and tied again; ``ReplicaCheck`` for replicas that differ);
 - per rank, no communication: ``save_distributed`` / ``load_distributed`` / ``reshard`` with
   ``TensorShardSpec`` / ``ShardMetadata`` (``flat_shard_metadata`` builds the usual layout);
 - background: ``AsyncCheckpointer(...).save_async(state) -> CheckpointFuture``;
@@ -32,7 +35,13 @@ from netdist.checkpoint.api import (
     shard_state_dict,
 )
 from netdist.checkpoint.async_save import AsyncCheckpointer, CheckpointFuture
-from netdist.checkpoint.collective import RANK_OBJECT_POLICIES, load, save
+from netdist.checkpoint.collective import (
+    RANK_OBJECT_POLICIES,
+    ReplicaCheck,
+    ReplicaDivergenceWarning,
+    load,
+    save,
+)
 from netdist.checkpoint.consolidate import (
     TensorRow,
     VerifyReport,
@@ -49,6 +58,7 @@ from netdist.checkpoint.metadata import (
     StateLayout,
     TensorShardSpec,
 )
+from netdist.checkpoint.rng import RNGState
 from netdist.checkpoint.state import ShardedArray
 
 __all__ = [
@@ -72,6 +82,9 @@ __all__ = [
     "save",
     "load",
     "RANK_OBJECT_POLICIES",
+    "ReplicaCheck",
+    "ReplicaDivergenceWarning",
+    "RNGState",
     "AsyncCheckpointer",
     "CheckpointFuture",
     "consolidate",

@@ -41,6 +41,8 @@ from netdist.checkpoint.commit import (
     scan_root,
     step_generation,
 )
+from netdist.checkpoint.dtypes import (CHECKPOINT_DTYPES, dtype_name, is_raw_bfloat16,
+                                       unrepresentable)
 from netdist.checkpoint.metadata import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -48,6 +50,7 @@ from netdist.checkpoint.metadata import (
     METADATA_FILE,
     FileRecord,
     ShardMetadata,
+    StateLayout,
     TensorShardSpec,
     parse_json,
     parse_step_dir_name,
@@ -56,6 +59,20 @@ from netdist.checkpoint.metadata import (
 )
 from netdist.checkpoint.planner import (Box, ReadItem, box_shape, plan_reads, plan_writes,
                                         read_ranks)
+from netdist.checkpoint.restore import (
+    check_destination,
+    check_rank_objects,
+    leaf_array,
+    plan_restore,
+)
+from netdist.checkpoint.state import (
+    ShardedArray,
+    flatten_state,
+    is_stateful,
+    is_torch_tensor,
+    merge_summaries,
+    state_summary,
+)
 from netdist.checkpoint.storage import (
     ShardFile,
     TensorSource,
@@ -71,7 +88,6 @@ from netdist.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
-from netdist.types import WIRE_DTYPES, dtype_to_wire
 
 __all__ = [
     "SaveResult",
@@ -125,15 +141,9 @@ def _box_index(box: Box) -> tuple[slice | EllipsisType, ...]:
 
 
 def _as_array(value: Any, name: str) -> np.ndarray:
-    if isinstance(value, np.ndarray):
-        return value
-    try:
-        array = np.asarray(value)
-    except Exception as exc:
-        raise TypeError(f"{name!r}: cannot view {type(value).__name__} as an array") from exc
-    if array.dtype == object:
-        raise TypeError(f"{name!r}: {type(value).__name__} is not an array")
-    return array
+    """An array leaf as NumPy: arrays as they are, torch tensors as a view of their
+    memory (no copy; CPU only), anything else through ``np.asarray``."""
+    return leaf_array(value, name)
 
 
 def _specs_for(state_dict: Mapping[str, Any],
@@ -170,7 +180,7 @@ def _specs_for(state_dict: Mapping[str, Any],
         if tuple(array.shape) != expected:
             raise ValueError(f"{name!r}: rank {rank} holds shape {tuple(array.shape)}, the "
                              f"spec says {expected}")
-        dtype = dtype_to_wire(array.dtype)
+        dtype = dtype_name(array.dtype)
         if spec.dtype is not None and spec.dtype != dtype:
             raise ValueError(f"{name!r}: array dtype {dtype}, spec dtype {spec.dtype}")
         specs[name] = spec if spec.dtype is not None else spec.with_dtype(dtype)
@@ -257,7 +267,7 @@ def write_rank_file(directory: Path, rank: int, world_size: int,
     sources = []
     for item in plan.for_rank(rank):
         array = arrays[item.name]
-        dtype = specs[item.name].dtype or dtype_to_wire(array.dtype)
+        dtype = specs[item.name].dtype or dtype_name(array.dtype)
         sources.append(TensorSource(item.name, dtype, tuple(array.shape), data=array))
     name = rank_file_name(rank)
     size, checksum = write_safetensors(directory / name, sources,
@@ -289,12 +299,17 @@ def _staging_tag(generation: int, run_id: str | None) -> str:
 def _write_share(directory: Path, rank: int, world_size: int,
                  specs: Mapping[str, TensorShardSpec], writers: Mapping[str, int],
                  arrays: Mapping[str, np.ndarray], generation: int, run_id: str | None,
-                 where: Path) -> tuple[FileRecord, list[FileRecord]]:
+                 where: Path, summary: Mapping[str, Any] | None = None
+                 ) -> tuple[FileRecord, list[tuple[FileRecord, Any]]]:
     """Write this rank's file and manifest into ``directory``; return its record and the
-    records of every rank whose manifest of the same generation and run is there."""
+    record and state summary of every rank whose manifest of the same generation and run
+    is there."""
     with os_errors(rank, f"write {rank_file_name(rank)} of checkpoint {where}"):
         record = write_rank_file(directory, rank, world_size, specs, writers, arrays)
-    manifest = {"generation": generation, "run_id": run_id, "file": record.to_json()}
+    manifest: dict[str, Any] = {"generation": generation, "run_id": run_id,
+                                "file": record.to_json()}
+    if summary is not None:
+        manifest["state"] = summary
     # Not fsynced: its content ends up in metadata.json, which is; losing it in a crash
     # only means that save is not committed, which a crash does anyway.
     with os_errors(rank, f"write {_manifest_name(rank)} of checkpoint {where}"):
@@ -306,11 +321,46 @@ def _write_share(directory: Path, rank: int, world_size: int,
         if (not isinstance(found, dict) or found.get("generation") != generation
                 or found.get("run_id") != run_id):
             break
-        records.append(FileRecord.from_json(found["file"]))
+        records.append((FileRecord.from_json(found["file"]), found.get("state")))
     return record, records
 
 
-def save_distributed(state_dict: Mapping[str, Any], dir: str | os.PathLike[str], rank: int,
+def _is_structured(state: Any) -> bool:
+    """True unless ``state`` is the classic flat mapping of names to NumPy arrays (or
+    values ``np.asarray`` turns into arrays), which is saved exactly as before."""
+    if not isinstance(state, Mapping):
+        return True
+    return any(isinstance(v, (Mapping, list, tuple, ShardedArray)) or is_torch_tensor(v)
+               or is_stateful(v) for v in state.values())
+
+
+def _flatten_for_save(state: Any, shard_spec: object) -> tuple[dict[str, np.ndarray],
+                                                                dict[str, Any]]:
+    """A nested state (torch state dicts, stateful objects, plain values) as named local
+    arrays plus the summary of its structure and plain values."""
+    flat = flatten_state(state)
+    arrays = {}
+    for name, value in flat.tensors.items():
+        if isinstance(value, ShardedArray):
+            if shard_spec is None:
+                raise ValueError(f"{name!r} is a ShardedArray: the per-rank API cannot see "
+                                 f"the other ranks' shards, pass a shard_spec describing it")
+            value = value.data
+        arrays[name] = leaf_array(value, name)
+    return arrays, state_summary(flat)
+
+
+def _layout_of(summaries: list[Any]) -> StateLayout | None:
+    if all(s is None for s in summaries):
+        return None
+    if any(s is None for s in summaries):
+        flat = [r for r, s in enumerate(summaries) if s is None]
+        raise CheckpointMismatchError(f"rank(s) {flat} saved a flat mapping of arrays, the "
+                                      f"others a nested state")
+    return merge_summaries(summaries)
+
+
+def save_distributed(state_dict: Any, dir: str | os.PathLike[str], rank: int,
                      world_size: int,
                      shard_spec: ShardMetadata | Mapping[str, TensorShardSpec] | None = None,
                      *, step: int | None = None, keep_last: int | None = None,
@@ -321,6 +371,14 @@ def save_distributed(state_dict: Mapping[str, Any], dir: str | os.PathLike[str],
     ``state_dict`` maps names to this rank's local arrays; ``shard_spec`` (usually from
     :func:`flat_shard_metadata`) says how each is placed; ``None`` means every array is
     replicated (written once, by the rank the dedup planner picks).
+
+    It may also be a nested state as the collective ``save`` takes it: a torch
+    ``state_dict()`` (tensors written from their own memory, tied ones once), an
+    optimizer's (``param_groups`` and other plain values go to the metadata), stateful
+    objects, dicts and lists of these; tensors are then named by their path
+    (``"optim.state.0.exp_avg"``, the names ``shard_spec`` uses) and
+    :func:`load_distributed` with ``like=`` restores the tree. Plain values that differ
+    between ranks are stored per rank.
 
     With ``step=N`` the checkpoint goes to ``dir/step_N``: the ranks write into a staging
     directory and the rank that completes the set commits it by rename
@@ -339,7 +397,11 @@ def save_distributed(state_dict: Mapping[str, Any], dir: str | os.PathLike[str],
     started = time.perf_counter()
     _check_rank(rank, world_size)
     check_keep_last(keep_last)
-    specs, arrays = _specs_for(state_dict, shard_spec, rank, world_size)
+    summary: dict[str, Any] | None = None
+    flat: Mapping[str, Any] = state_dict
+    if _is_structured(state_dict):
+        flat, summary = _flatten_for_save(state_dict, shard_spec)
+    specs, arrays = _specs_for(flat, shard_spec, rank, world_size)
     base = shard_spec if isinstance(shard_spec, ShardMetadata) else None
     writers = plan_writes(specs, world_size).writers
     root = Path(dir)
@@ -353,15 +415,16 @@ def save_distributed(state_dict: Mapping[str, Any], dir: str | os.PathLike[str],
             generation = step_generation(root, step) + 1
             directory = create_staging(root, step, _staging_tag(generation, run_id),
                                        shared=True)
-    record, records = _write_share(directory, rank, world_size, specs, writers, arrays,
-                                   generation, run_id, final)
-    committed = len(records) == world_size
+    record, found = _write_share(directory, rank, world_size, specs, writers, arrays,
+                                 generation, run_id, final, summary)
+    committed = len(found) == world_size
     if committed:
         metadata = ShardMetadata(
             num_ranks=world_size, tensor_specs=specs,
             mesh=base.mesh if base is not None else None,
             extra=dict(extra if extra is not None else (base.extra if base is not None else {})),
-            step=step, writers=writers, files=tuple(records), generation=generation)
+            step=step, writers=writers, files=tuple(r for r, _ in found),
+            generation=generation, state=_layout_of([s for _, s in found]))
         with os_errors(rank, f"commit checkpoint {final}"):
             if step is None:
                 write_bytes_atomic(root / METADATA_FILE, metadata.dumps().encode("utf-8"))
@@ -373,18 +436,6 @@ def save_distributed(state_dict: Mapping[str, Any], dir: str | os.PathLike[str],
 
 
 # --------------------------------------------------------------------------- reading
-
-
-def check_destination(name: str, spec: TensorShardSpec, box: Box, dest: np.ndarray) -> None:
-    """Raise ``CheckpointMismatchError`` unless ``dest`` can receive ``box`` of ``name``."""
-    want_dtype = WIRE_DTYPES[spec.dtype] if spec.dtype is not None else None
-    if want_dtype is not None and dest.dtype != want_dtype:
-        raise CheckpointMismatchError(
-            f"tensor {name!r}: checkpoint has dtype {spec.dtype}, target has {dest.dtype}")
-    if tuple(dest.shape) != box_shape(box):
-        raise CheckpointMismatchError(
-            f"tensor {name!r}: target shape {tuple(dest.shape)} does not match the "
-            f"{box_shape(box)} region expected (full shape {spec.full_shape})")
 
 
 class CheckpointReader:
@@ -471,43 +522,77 @@ def read_plan_into(directory: Path, metadata: ShardMetadata,
 
 def load_distributed(dir: str | os.PathLike[str], rank: int, world_size: int, *,
                      step: int | None = None, verify: bool = True,
-                     out: Mapping[str, np.ndarray] | None = None,
-                     threads: int | None = None) -> dict[str, np.ndarray]:
+                     out: Mapping[str, Any] | None = None, like: Any = None,
+                     strict: bool = True, rank_objects: str = "error",
+                     threads: int | None = None) -> Any:
     """Load ``rank``'s share of a checkpoint for a job of ``world_size`` ranks.
 
     Same world size as the save: each rank gets exactly the shards it saved (plus the
     replicated tensors, wherever dedup stored them). Different world size: every sharded
     tensor is re-split along its saved dim with ``chunk_sizes`` and only the byte ranges
-    covering this rank's new shard are read. ``out`` may supply preallocated destination
-    arrays (filled in place; no second copy in memory); a dtype or shape that does not
-    match raises ``CheckpointMismatchError``. ``verify`` checks the CRC of every block
-    read.
+    covering this rank's new shard are read. Returns a flat dict of tensor names to
+    NumPy arrays (bfloat16 without ``ml_dtypes``: ``torch.bfloat16`` tensors, or a
+    ``CheckpointMismatchError`` naming the dtype when torch is missing too). ``out`` may
+    supply preallocated destination arrays or CPU torch tensors (filled in place; no
+    second copy in memory); a dtype or shape that does not match raises
+    ``CheckpointMismatchError``. ``verify`` checks the CRC of every block read.
+
+    ``like`` restores a nested state in place instead and returns it, with the rules of
+    the collective ``load`` (:mod:`netdist.checkpoint.restore`): torch tensors and arrays
+    filled in place, stateful objects (a module, an optimizer, ``RNGState``) given the
+    saved state through ``load_state_dict()`` with lazily created optimizer state created,
+    ``strict`` and ``rank_objects`` as there; a ``ShardedArray`` in ``like`` must hold this
+    rank's part of the even re-split.
     """
     _check_rank(rank, world_size)
+    check_rank_objects(rank_objects)
+    if like is not None and out is not None:
+        raise ValueError("pass either out= (flat arrays) or like= (a nested state), not both")
     directory = resolve_checkpoint(dir, step)
     metadata = load_metadata(directory)
+    if like is not None:
+        check_file_sizes(directory, metadata, [record.rank for record in metadata.files])
+        restore = plan_restore(metadata, like, rank, world_size, strict=strict,
+                               rank_objects=rank_objects)
+        plan = plan_reads(metadata.tensor_specs, metadata.writers, restore.wanted)
+        read_plan_into(directory, metadata, plan, restore.dests, verify=verify,
+                       threads=threads)
+        return restore.complete()
     targets = metadata.rebalanced(world_size)
     wanted = {name: spec.box(rank) if spec.shard_dim is not None else
               tuple((0, n) for n in spec.full_shape) for name, spec in targets.items()}
     plan = plan_reads(metadata.tensor_specs, metadata.writers, wanted)
     check_file_sizes(directory, metadata, read_ranks(plan))  # before sizing any buffer
     dests: dict[str, np.ndarray] = {}
+    results: dict[str, Any] = {}
     for name, box in wanted.items():
         spec = metadata.tensor_specs[name]
         if out is not None and name in out:
-            dest = out[name]
+            leaf = out[name]
+            dest = leaf_array(leaf, name)
             check_destination(name, spec, box, dest)
         else:
             if spec.dtype is None:
                 raise CheckpointCorruptError(f"tensor {name!r} has no dtype in the metadata")
-            dest = np.empty(box_shape(box), dtype=WIRE_DTYPES[spec.dtype])
-        dests[name] = dest
+            dest = np.empty(box_shape(box), dtype=CHECKPOINT_DTYPES[spec.dtype])
+            leaf = _bfloat16_tensor(name, dest) if is_raw_bfloat16(dest.dtype) else dest
+        dests[name], results[name] = dest, leaf
     if out is not None:
         unknown = sorted(set(out) - set(wanted))
         if unknown:
             raise CheckpointMismatchError(f"the checkpoint has no tensors named {unknown}")
     read_plan_into(directory, metadata, plan, dests, verify=verify, threads=threads)
-    return dests
+    return results
+
+
+def _bfloat16_tensor(name: str, dest: np.ndarray) -> Any:
+    """A ``torch.bfloat16`` tensor over a raw bf16 buffer (no ``ml_dtypes``); without
+    torch, the error naming the dtype."""
+    try:
+        from netdist.checkpoint.torch_state import array_tensor
+    except ImportError:
+        raise unrepresentable(name, "bfloat16") from None
+    return array_tensor(dest)
 
 
 def reshard(dir: str | os.PathLike[str], old_world_size: int, new_world_size: int,

@@ -40,9 +40,9 @@ from netdist.checkpoint.api import (
     check_keep_last,
     save_distributed,
 )
+from netdist.checkpoint.dtypes import CHECKPOINT_DTYPES, dtype_name
 from netdist.checkpoint.metadata import ShardMetadata, TensorShardSpec
 from netdist.errors import CheckpointError, NetdistTimeoutError
-from netdist.types import WIRE_DTYPES, dtype_to_wire
 
 __all__ = ["AsyncCheckpointer", "CheckpointFuture"]
 
@@ -223,7 +223,7 @@ class AsyncCheckpointer:
     def _stage(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         staged: dict[str, np.ndarray] = {}
         for name, array in arrays.items():
-            dtype = WIRE_DTYPES[dtype_to_wire(array.dtype)]
+            dtype = CHECKPOINT_DTYPES[dtype_name(array.dtype)]
             buffer = self._staging.get(name)
             if buffer is None or buffer.shape != array.shape or buffer.dtype != dtype:
                 buffer = np.empty(array.shape, dtype=dtype)

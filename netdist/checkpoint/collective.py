@@ -40,11 +40,12 @@ seeded per-rank RNGs), ``"modulo"`` gives new rank ``r`` old rank ``r % old_size
 from __future__ import annotations
 
 import asyncio
-import json
+import enum
 import os
 import secrets
 import shutil
 import time
+import warnings
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -56,33 +57,68 @@ from netdist import errors
 from netdist.checkpoint.api import (
     CheckpointReader,
     SaveResult,
-    _as_array,
-    check_destination,
     check_keep_last,
     resolve_checkpoint,
     write_rank_file,
 )
 from netdist.checkpoint.commit import commit_step, create_staging, os_errors, tidy_root
+from netdist.checkpoint.dtypes import dtype_name
 from netdist.checkpoint.metadata import (
     METADATA_FILE,
     FileRecord,
     ShardMetadata,
     StateLayout,
     TensorShardSpec,
-    decode_object,
-    encode_object,
     rank_file_name,
     step_dir_name,
 )
-from netdist.checkpoint.planner import Box, assign_writers, box_shape, plan_reads
-from netdist.checkpoint.state import ShardedArray, flatten_state, unflatten_state
+from netdist.checkpoint.planner import assign_writers, plan_reads
+from netdist.checkpoint.restore import (
+    RANK_OBJECT_POLICIES,
+    check_rank_objects,
+    leaf_array,
+    plan_restore,
+)
+from netdist.checkpoint.state import (ShardedArray, flatten_state, merge_summaries,
+                                      state_summary)
 from netdist.checkpoint.storage import check_file_sizes, read_metadata_text
 from netdist.errors import CheckpointError, CheckpointMismatchError
-from netdist.types import WIRE_DTYPES, dtype_to_wire
 
-__all__ = ["save", "load", "RANK_OBJECT_POLICIES"]
+__all__ = ["save", "load", "RANK_OBJECT_POLICIES", "ReplicaCheck", "ReplicaDivergenceWarning"]
 
-RANK_OBJECT_POLICIES = ("error", "like", "modulo", "rank0")
+class ReplicaCheck(str, enum.Enum):
+    """What a collective ``save`` does about replicated tensors (plain arrays and torch
+    tensors, assumed equal on every rank and written once) that differ between ranks,
+    such as BatchNorm running statistics that no collective keeps in sync.
+
+    ``WARN`` (default) and ``ERROR`` compare a CRC-32 of every replicated tensor across
+    ranks (one extra pass over the bytes of each, no extra communication beyond the
+    plan's ``all_gather_object``). ``WARN`` issues a :class:`ReplicaDivergenceWarning`
+    on every rank naming the tensors and the ranks that differ, and saves **rank 0's**
+    copy of each; ``ERROR`` raises ``CheckpointMismatchError`` on every rank and writes
+    nothing. ``OFF`` skips the comparison (the writer rank's copy is saved unchecked).
+    """
+
+    OFF = "off"
+    WARN = "warn"
+    ERROR = "error"
+
+
+class ReplicaDivergenceWarning(UserWarning):
+    """A replicated tensor differed between ranks at save time (``ReplicaCheck.WARN``)."""
+
+
+def _replica_check(value: ReplicaCheck | str | bool) -> ReplicaCheck:
+    """``True``/``False`` are shorthands for ``ERROR``/``OFF``."""
+    if value is True:
+        return ReplicaCheck.ERROR
+    if value is False:
+        return ReplicaCheck.OFF
+    try:
+        return ReplicaCheck(value)
+    except ValueError:
+        raise ValueError(f"check_replicated must be one of "
+                         f"{[c.value for c in ReplicaCheck]} or a bool, got {value!r}") from None
 
 
 def _describe(exc: BaseException) -> dict[str, str]:
@@ -133,33 +169,32 @@ async def _discard(staging: Path) -> None:
     await asyncio.to_thread(shutil.rmtree, staging, True)
 
 
-def _local_summary(state: Any, check_replicated: bool) -> tuple[dict[str, Any], Any]:
+def _local_summary(state: Any, check: ReplicaCheck) -> tuple[dict[str, Any], Any]:
     flat = flatten_state(state)
     tensors = {}
     arrays: dict[str, np.ndarray] = {}
     for name, value in flat.tensors.items():
         if isinstance(value, ShardedArray):
-            array, dim = _as_array(value.data, name), value.shard_dim
+            array, dim = leaf_array(value.data, name), value.shard_dim
         else:
-            array, dim = _as_array(value, name), None
-        entry: list[Any] = [dtype_to_wire(array.dtype), list(array.shape), dim]
-        if check_replicated and dim is None:
+            array, dim = leaf_array(value, name), None
+        entry: list[Any] = [dtype_name(array.dtype), list(array.shape), dim]
+        if check is not ReplicaCheck.OFF and dim is None:
             entry.append(zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data))
         tensors[name] = entry
         arrays[name] = array
-    objects = {key: json.dumps(encode_object(value), allow_nan=False)
-               for key, value in flat.objects.items()}
-    return {"tensors": tensors, "objects": objects, "skeleton": flat.skeleton}, arrays
+    return {"tensors": tensors, **state_summary(flat)}, arrays
 
 
-def _merge(summaries: list[dict[str, Any]]) -> tuple[dict[str, TensorShardSpec], StateLayout]:
-    """Every rank's summary -> one set of specs and the state layout (same on all ranks)."""
+def _merge(summaries: list[dict[str, Any]], check: ReplicaCheck = ReplicaCheck.OFF
+           ) -> tuple[dict[str, TensorShardSpec], StateLayout, dict[str, list[int]]]:
+    """Every rank's summary -> one set of specs, the state layout and the replicated
+    tensors whose copies differ (name -> the ranks whose copy differs from rank 0's);
+    the same on all ranks. ``ReplicaCheck.ERROR`` raises on a difference instead."""
+    layout = merge_summaries(summaries)
     first = summaries[0]
-    for rank, summary in enumerate(summaries[1:], start=1):
-        if summary["skeleton"] != first["skeleton"]:
-            raise CheckpointMismatchError(f"rank {rank}'s state has a different structure "
-                                          f"from rank 0's (keys, nesting or leaf kinds)")
     specs = {}
+    diverged: dict[str, list[int]] = {}
     for name, (dtype, shape, dim, *_) in first["tensors"].items():
         entries = [s["tensors"][name] for s in summaries]
         for rank, (d2, s2, dim2, *_) in enumerate(entries):
@@ -173,8 +208,7 @@ def _merge(summaries: list[dict[str, Any]]) -> tuple[dict[str, TensorShardSpec],
                     raise CheckpointMismatchError(f"replicated {name!r}: rank {rank} has "
                                                   f"shape {s2}, rank 0 has {shape}")
                 if crc and crc != entries[0][3:]:
-                    raise CheckpointMismatchError(f"replicated {name!r} differs between rank "
-                                                  f"0 and rank {rank}")
+                    diverged.setdefault(name, []).append(rank)
             specs[name] = TensorShardSpec.replicated(shape, dtype)
             continue
         for rank, (_, s2, _, *_) in enumerate(entries):
@@ -187,21 +221,30 @@ def _merge(summaries: list[dict[str, Any]]) -> tuple[dict[str, TensorShardSpec],
         full = list(shape)
         full[dim] = sum(sizes)
         specs[name] = TensorShardSpec(tuple(full), dim, sizes, dtype)
-    objects: dict[str, Any] = {}
-    rank_objects: dict[str, tuple[Any, ...]] = {}
-    for key, text in first["objects"].items():
-        texts = [s["objects"][key] for s in summaries]
-        if all(t == text for t in texts):
-            objects[key] = decode_object(json.loads(text))
-        else:
-            rank_objects[key] = tuple(decode_object(json.loads(t)) for t in texts)
-    return specs, StateLayout(first["skeleton"], objects, rank_objects)
+    if diverged and check is ReplicaCheck.ERROR:
+        raise CheckpointMismatchError(
+            f"replicated tensors differ between ranks: {_describe_diverged(diverged)}; "
+            f"nothing was saved (sync them first, e.g. broadcast or all-reduce buffers, "
+            f"shard them with ShardedArray, or pass check_replicated='warn' to save rank "
+            f"0's copy)")
+    return specs, layout, diverged
+
+
+def _describe_diverged(diverged: Mapping[str, list[int]], limit: int = 8) -> str:
+    names = sorted(diverged)
+    parts = [f"{name!r} differs between rank 0 and "
+             f"{'rank' if len(diverged[name]) == 1 else 'ranks'} "
+             f"{', '.join(str(r) for r in diverged[name])}" for name in names[:limit]]
+    if len(names) > limit:
+        parts.append(f"and {len(names) - limit} more")
+    return "; ".join(parts)
 
 
 async def save(state: Any, dir: str | os.PathLike[str], group: Any, *, step: int | None = None,
                keep_last: int | None = None, overwrite: bool = False,
                extra: Mapping[str, Any] | None = None, mesh: Mapping[str, Any] | None = None,
-               check_replicated: bool = False, timeout: float | None = None) -> SaveResult:
+               check_replicated: ReplicaCheck | str | bool = ReplicaCheck.WARN,
+               timeout: float | None = None) -> SaveResult:
     """Save ``state`` collectively as ``dir/step_N`` (every rank of ``group`` calls this).
 
     ``step`` defaults to one past the newest complete checkpoint - the step ``load``
@@ -210,10 +253,14 @@ async def save(state: Any, dir: str | os.PathLike[str], group: Any, *, step: int
     (a resumed job would never load it), raises ``CheckpointError`` unless
     ``overwrite=True``; with it, the old ``step_N`` stays loadable and unchanged until
     the new one is committed. ``keep_last=K`` keeps the K newest complete checkpoints
-    (and the one just saved). Plain arrays are replicated (assumed equal on all ranks,
-    written once; ``check_replicated=True`` compares CRCs first); wrap a shard in
-    :class:`ShardedArray`. ``timeout`` bounds each collective step. Returns this rank's
-    :class:`SaveResult`; raises ``CheckpointError`` (or a subclass) on every rank if any
+    (and the one just saved). Plain arrays and torch tensors are replicated (equal on all
+    ranks, written once; torch tensors that are the same view of one memory, like tied
+    weights, are one tensor); ``check_replicated`` (:class:`ReplicaCheck`, default
+    ``WARN``) says what happens when their copies differ; wrap a shard in
+    :class:`ShardedArray`. Stateful objects (a torch module or optimizer,
+    :class:`RNGState`) are saved as their ``state_dict()``; torch tensors are written
+    from their own memory (CPU only; no copy unless non-contiguous). ``timeout`` bounds
+    each collective step. Returns this rank's :class:`SaveResult`; raises ``CheckpointError`` (or a subclass) on every rank if any
     rank fails, and then nothing is committed. Cancelling (or a timeout) before the
     commit leaves a hidden staging directory, which is never loaded and is removed by
     the next save (a shard write already running in its thread completes in the
@@ -221,13 +268,15 @@ async def save(state: Any, dir: str | os.PathLike[str], group: Any, *, step: int
     """
     started = time.perf_counter()
     check_keep_last(keep_last)
+    check = _replica_check(check_replicated)
     root = Path(dir)
     rank, world_size = group.rank, group.world_size
     local_error: BaseException | None = None
     arrays: dict[str, np.ndarray] = {}
     summary: dict[str, Any]
     try:
-        summary, arrays = _local_summary(state, check_replicated)
+        # in a thread: the replica check reads every replicated tensor once
+        summary, arrays = await asyncio.to_thread(_local_summary, state, check)
         if rank == 0:
             summary["step"], summary["staging"] = await asyncio.to_thread(
                 _prepare_root, root, step, overwrite)
@@ -242,12 +291,18 @@ async def save(state: Any, dir: str | os.PathLike[str], group: Any, *, step: int
     staging = root / summaries[0]["staging"]
     final = root / step_dir_name(chosen)
     try:
-        specs, layout = _merge(summaries)
+        specs, layout, diverged = _merge(summaries, check)
     except CheckpointError:
         if rank == 0:
             await _discard(staging)
         raise
     writers = assign_writers(specs, world_size)
+    if diverged:  # ReplicaCheck.WARN: every rank warns, rank 0's copy is the one saved
+        writers.update((name, 0) for name in diverged)
+        warnings.warn(ReplicaDivergenceWarning(
+            f"checkpoint step {chosen}: replicated tensors differ between ranks: "
+            f"{_describe_diverged(diverged)}; saving rank 0's copy of each "
+            f"(check_replicated='error' refuses instead)"), stacklevel=2)
 
     record: FileRecord | None = None
     manifest: dict[str, Any]
@@ -288,129 +343,6 @@ async def save(state: Any, dir: str | os.PathLike[str], group: Any, *, step: int
 # --------------------------------------------------------------------------- load
 
 
-def _full_box(shape: tuple[int, ...]) -> Box:
-    return tuple((0, n) for n in shape)
-
-
-def _pick_object(key: str, layout: StateLayout, rank: int, world_size: int, num_ranks: int,
-                 policy: str, like_objects: Mapping[str, Any] | None) -> Any:
-    if key in layout.objects:
-        return layout.objects[key]
-    values = layout.rank_objects[key]
-    if world_size == num_ranks:
-        return values[rank]
-    if policy == "modulo":
-        return values[rank % num_ranks]
-    if policy == "rank0":
-        return values[0]
-    if policy == "like" and like_objects is not None and key in like_objects:
-        return like_objects[key]
-    raise _per_rank_error([key], num_ranks, world_size)
-
-
-def _per_rank_error(keys: list[str], num_ranks: int, world_size: int) -> CheckpointMismatchError:
-    return CheckpointMismatchError(
-        f"values {', '.join(repr(k) for k in sorted(keys))} differed between the {num_ranks} "
-        f"ranks that saved the checkpoint and cannot be mapped onto {world_size} ranks; "
-        f"pass rank_objects='like' (keep the current value), 'modulo' or 'rank0'")
-
-
-def _restore_object(current: Any, loaded: Any) -> Any:
-    """Generators in ``like`` are restored in place, so references to them stay valid."""
-    if isinstance(current, np.random.Generator) and isinstance(loaded, np.random.Generator):
-        if type(current.bit_generator) is type(loaded.bit_generator):
-            current.bit_generator.state = loaded.bit_generator.state
-            return current
-    if isinstance(current, np.random.BitGenerator) and isinstance(loaded, np.random.BitGenerator):
-        if type(current) is type(loaded):
-            current.state = loaded.state
-            return current
-    return loaded
-
-
-def _prepare_load(metadata: ShardMetadata, like: Any, gathered: list[dict[str, Any]],
-                  rank: int, world_size: int, strict: bool, rank_objects: str
-                  ) -> tuple[dict[str, Box], dict[str, np.ndarray], Any]:
-    """Decide what this rank reads, where it lands, and how to rebuild the result."""
-    specs = metadata.tensor_specs
-    layout = metadata.state
-    if (layout is not None and layout.rank_objects and world_size != metadata.num_ranks
-            and rank_objects in ("error", "like")):
-        mapped = set() if like is None or rank_objects == "error" else \
-            set(flatten_state(like).objects)
-        unmapped = sorted(set(layout.rank_objects) - mapped)
-        if unmapped:
-            raise _per_rank_error(unmapped, metadata.num_ranks, world_size)
-    wanted: dict[str, Box] = {}
-    dests: dict[str, np.ndarray] = {}
-    if like is None:
-        targets = metadata.rebalanced(world_size)
-        tensors: dict[str, Any] = {}
-        for name, spec in targets.items():
-            box = spec.box(rank) if spec.shard_dim is not None else _full_box(spec.full_shape)
-            dtype = WIRE_DTYPES[spec.dtype or "uint8"]
-            dest = np.empty(box_shape(box), dtype=dtype)
-            wanted[name], dests[name] = box, dest
-            tensors[name] = ShardedArray(dest, spec.shard_dim) if spec.shard_dim is not None \
-                else dest
-        if layout is None:
-            return wanted, dests, lambda objs: dict(tensors)
-        objects = {key: _pick_object(key, layout, rank, world_size, metadata.num_ranks,
-                                     rank_objects, None)
-                   for key in [*layout.objects, *layout.rank_objects]}
-        return wanted, dests, lambda objs: unflatten_state(layout.skeleton, tensors, objects)
-
-    flat = flatten_state(like)
-    missing = sorted(set(flat.tensors) - set(specs))
-    if missing:
-        raise CheckpointMismatchError(f"the checkpoint has no tensors named {missing}")
-    if strict:
-        unexpected = sorted(set(specs) - set(flat.tensors))
-        if unexpected:
-            raise CheckpointMismatchError(f"the checkpoint has tensors that `like` lacks: "
-                                          f"{unexpected} (pass strict=False to ignore them)")
-    for name, value in flat.tensors.items():
-        spec = specs[name]
-        if isinstance(value, ShardedArray):
-            dest, dim = value.data, value.shard_dim
-            extents = [g[name] for g in gathered]
-            offset = sum(e[1] for e in extents[:rank])
-            total = sum(e[1] for e in extents)
-            if any(e[0] != dim for e in extents) or dim >= len(spec.full_shape) \
-                    or total != spec.full_shape[dim]:
-                raise CheckpointMismatchError(
-                    f"{name!r}: the shards in `like` (dim {dim}, {total} in all) do not "
-                    f"tile the checkpoint's full shape {spec.full_shape}")
-            corners = list(_full_box(spec.full_shape))
-            corners[dim] = (offset, offset + dest.shape[dim])
-            box_t: Box = tuple(corners)
-        else:
-            dest, box_t = value, _full_box(spec.full_shape)
-        if not isinstance(dest, np.ndarray) or not dest.flags.writeable:
-            raise CheckpointMismatchError(f"{name!r}: `like` must hold writeable arrays")
-        check_destination(name, spec, box_t, dest)
-        wanted[name], dests[name] = box_t, dest
-    like_tensors = dict(flat.tensors)
-    loaded_objects: dict[str, Any] = {}
-    saved_keys = set() if layout is None else {*layout.objects, *layout.rank_objects}
-    for key, current in flat.objects.items():
-        if key in saved_keys and layout is not None:
-            value = _pick_object(key, layout, rank, world_size, metadata.num_ranks,
-                                 rank_objects, flat.objects)
-            loaded_objects[key] = _restore_object(current, value)
-        elif strict and layout is not None:
-            raise CheckpointMismatchError(f"the checkpoint holds no value for {key!r}")
-        else:
-            loaded_objects[key] = current
-    if strict and layout is not None:
-        unexpected = sorted(saved_keys - set(flat.objects))
-        if unexpected:
-            raise CheckpointMismatchError(f"the checkpoint has values that `like` lacks: "
-                                          f"{unexpected} (pass strict=False to ignore them)")
-    return wanted, dests, lambda objs: unflatten_state(flat.skeleton, like_tensors,
-                                                      loaded_objects)
-
-
 async def load(dir: str | os.PathLike[str], group: Any, *, like: Any = None,
                step: int | None = None, verify: bool = True, strict: bool = True,
                rank_objects: str = "error", timeout: float | None = None,
@@ -418,17 +350,19 @@ async def load(dir: str | os.PathLike[str], group: Any, *, like: Any = None,
     """Load a checkpoint collectively, resharding to ``group``'s world size.
 
     ``dir`` is a checkpoint root (``latest`` or ``step`` picks the checkpoint) or a
-    checkpoint directory. With ``like`` (this rank's current state), arrays are filled
-    **in place** (a ``ShardedArray`` receives the region its rank covers in the new
-    layout, so shards may be uneven or along another dim than saved), generators are
-    restored in place, and the result has ``like``'s structure. Without it the saved
-    structure is rebuilt with fresh arrays, sharded tensors re-split with
+    checkpoint directory. With ``like`` (this rank's current state), arrays and torch
+    tensors are filled **in place** (a ``ShardedArray`` receives the region its rank
+    covers in the new layout, so shards may be uneven or along another dim than saved),
+    generators are restored in place, stateful objects (a torch module or optimizer,
+    :class:`RNGState`) get the saved state through ``load_state_dict()`` - tensors they
+    hold filled in place, lazily created ones (an optimizer's momentum buffers) created -
+    and the result has ``like``'s structure (:mod:`netdist.checkpoint.restore`). Without
+    it the saved structure is rebuilt with fresh arrays (torch tensors where torch
+    tensors were saved; tied ones as one tensor), sharded tensors re-split with
     ``chunk_sizes`` as ``ShardedArray``. ``rank_objects`` is the world-size-change policy
     for per-rank values (module docstring). Errors on any rank are raised on every rank.
     """
-    if rank_objects not in RANK_OBJECT_POLICIES:
-        raise ValueError(f"rank_objects must be one of {RANK_OBJECT_POLICIES}, "
-                         f"got {rank_objects!r}")
+    check_rank_objects(rank_objects)
     rank, world_size = group.rank, group.world_size
     found: dict[str, Any]
     local_error: BaseException | None = None
@@ -452,7 +386,7 @@ async def load(dir: str | os.PathLike[str], group: Any, *, like: Any = None,
     try:
         metadata = ShardMetadata.loads(found["metadata"], str(directory / METADATA_FILE))
         if like is not None:
-            for name, value in flatten_state(like).tensors.items():
+            for name, value in flatten_state(like, keep_statefuls=True).tensors.items():
                 if isinstance(value, ShardedArray):
                     extents[name] = [value.shard_dim, int(value.data.shape[value.shard_dim])]
     except Exception as exc:
@@ -467,12 +401,13 @@ async def load(dir: str | os.PathLike[str], group: Any, *, like: Any = None,
         # every rank file must hold what the metadata records before buffers are sized
         await asyncio.to_thread(check_file_sizes, directory, metadata,
                                 [record.rank for record in metadata.files])
-        wanted, dests, rebuild = _prepare_load(metadata, like,
-                                               [g["extents"] for g in gathered], rank,
-                                               world_size, strict, rank_objects)
-        plan = plan_reads(metadata.tensor_specs, metadata.writers, wanted)
-        await asyncio.to_thread(_read, directory, metadata, plan, dests, verify, threads)
-        result = rebuild(None)
+        restore = plan_restore(metadata, like, rank, world_size, strict=strict,
+                               rank_objects=rank_objects,
+                               extents=[g["extents"] for g in gathered])
+        plan = plan_reads(metadata.tensor_specs, metadata.writers, restore.wanted)
+        await asyncio.to_thread(_read, directory, metadata, plan, restore.dests, verify,
+                                threads)
+        result = await asyncio.to_thread(restore.complete)
     except Exception as exc:
         local_error, status = exc, _describe(exc)
     statuses = await group.all_gather_object(status, timeout=timeout)

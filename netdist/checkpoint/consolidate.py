@@ -32,6 +32,7 @@ from netdist.checkpoint.api import (
     _file_metadata,
     resolve_checkpoint,
 )
+from netdist.checkpoint.dtypes import CHECKPOINT_DTYPES
 from netdist.checkpoint.metadata import (
     METADATA_FILE,
     FileRecord,
@@ -43,6 +44,7 @@ from netdist.checkpoint.metadata import (
     rank_file_name,
 )
 from netdist.checkpoint.planner import Box, assign_writers, box_shape, plan_reads, plan_writes
+from netdist.checkpoint.state import skeleton_tensors
 from netdist.checkpoint.storage import (
     ShardFile,
     TensorSource,
@@ -51,7 +53,6 @@ from netdist.checkpoint.storage import (
     write_safetensors,
 )
 from netdist.errors import CheckpointError, CheckpointMismatchError, ConfigError
-from netdist.types import WIRE_DTYPES
 
 __all__ = [
     "TensorRow",
@@ -82,7 +83,7 @@ class TensorRow:
 
 
 def _nbytes(spec: TensorShardSpec) -> int:
-    itemsize = WIRE_DTYPES[spec.dtype].itemsize if spec.dtype else 1
+    itemsize = CHECKPOINT_DTYPES[spec.dtype].itemsize if spec.dtype else 1
     return math.prod(spec.full_shape) * itemsize
 
 
@@ -230,43 +231,89 @@ def _chunks(reader: CheckpointReader, name: str, box: Box, dtype: np.dtype[Any],
     return produce
 
 
-def _objects_metadata(metadata: ShardMetadata) -> dict[str, str]:
+def _objects_metadata(metadata: ShardMetadata, *, whole: bool) -> dict[str, str]:
     out = {"format": "netdist-consolidated", "num_ranks": str(metadata.num_ranks)}
     if metadata.step is not None:
         out["step"] = str(metadata.step)
     if metadata.extra:
         out["netdist.extra"] = json.dumps(encode_object(dict(metadata.extra)))
-    if metadata.state is not None:
+    if metadata.state is not None and whole:
         out["netdist.state"] = json.dumps(metadata.state.to_json())
     return out
 
 
+TIED_POLICIES = ("copy", "drop")
+
+
+def _selected(metadata: ShardMetadata, prefix: str) -> list[tuple[str, str, bool]]:
+    """``(output name, stored tensor, is torch)`` for every tensor path under ``prefix``,
+    aliases (tied weights) included, in the saved order."""
+    if metadata.state is None:
+        rows = [(name, name, False) for name in metadata.tensor_specs]
+    else:
+        rows = [(path, node["k"], bool(node.get("torch")))
+                for path, node in skeleton_tensors(metadata.state.skeleton)]
+    return [(path[len(prefix):], stored, is_torch) for path, stored, is_torch in rows
+            if path.startswith(prefix) and len(path) > len(prefix)]
+
+
 def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
                 step: int | None = None, verify: bool = True, progress: Progress | None = None,
-                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Path:
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES, prefix: str = "",
+                tied: str = "copy") -> Path:
     """Write the whole checkpoint as one safetensors file holding every full tensor.
 
     Streams tensor by tensor (``chunk_bytes`` at a time), writing the header first; the
     output appears atomically (temp, fsync, rename). Returns the output path. An output
     that is a directory, in a missing directory or inside the checkpoint is refused with
     ``ConfigError`` before anything is read.
+
+    ``prefix`` keeps only the tensors whose path starts with it and strips it, so
+    ``prefix="model."`` turns ``{"model": model.state_dict(), "optim": ...}`` into the
+    file ``safetensors.torch.load_file`` + ``model.load_state_dict(strict=True)`` expect.
+    A tied tensor (stored once in the checkpoint) is written under each of its names
+    with ``tied="copy"`` (what ``load_state_dict(strict=True)`` needs), or under its first
+    name only with ``tied="drop"`` (as ``save_pretrained`` does; ``from_pretrained`` ties
+    it again; the dropped names are listed in ``__metadata__["netdist.tied"]``). A file
+    of torch tensors says ``"format": "pt"`` in its ``__metadata__``, as torch's
+    safetensors files do (``from_pretrained`` requires it).
     """
+    if tied not in TIED_POLICIES:
+        raise ConfigError(f"tied must be one of {TIED_POLICIES}, got {tied!r}")
     directory = resolve_checkpoint(path, step)
     out = Path(out)
     _check_output_file(out, directory)
     metadata = read_metadata(directory)
-    total = sum(_nbytes(spec) for spec in metadata.tensor_specs.values())
+    rows = _selected(metadata, prefix)
+    if prefix and not rows:
+        raise ConfigError(f"no tensor of {directory} has a name starting with {prefix!r}")
+    first_name: dict[str, str] = {}
+    dropped: dict[str, str] = {}
+    for name, stored, _ in rows:
+        if stored in first_name and tied == "drop":
+            dropped[name] = first_name[stored]
+        first_name.setdefault(stored, name)
+    rows = [row for row in rows if row[0] not in dropped]
+    file_metadata = _objects_metadata(metadata, whole=not prefix)
+    if rows and all(is_torch for _, _, is_torch in rows):
+        file_metadata["format"] = "pt"
+        file_metadata["netdist.format"] = "netdist-consolidated"
+    if dropped:
+        file_metadata["netdist.tied"] = json.dumps(dropped)
+    total = sum(_nbytes(metadata.tensor_specs[stored]) for _, stored, _ in rows)
     with CheckpointReader(directory, metadata, verify=verify) as reader:
         sources = []
-        for name, spec in metadata.tensor_specs.items():
+        for name, stored, _ in rows:
+            spec = metadata.tensor_specs[stored]
             if spec.dtype is None:
-                raise CheckpointError(f"tensor {name!r} has no dtype in the metadata")
+                raise CheckpointError(f"tensor {stored!r} has no dtype in the metadata")
             box = tuple((0, n) for n in spec.full_shape)
             sources.append(TensorSource(name, spec.dtype, spec.full_shape,
-                                        chunks=_chunks(reader, name, box,
-                                                       WIRE_DTYPES[spec.dtype], chunk_bytes)))
+                                        chunks=_chunks(reader, stored, box,
+                                                       CHECKPOINT_DTYPES[spec.dtype],
+                                                       chunk_bytes)))
         with _writing(out):
-            write_safetensors(out, sources, metadata=_objects_metadata(metadata),
+            write_safetensors(out, sources, metadata=file_metadata,
                               progress=None if progress is None else
                               lambda n: progress(n, total))
     return out
@@ -327,7 +374,7 @@ def reshard_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str]
                 spec = specs[item.name]
                 box = spec.box(rank) if spec.shard_dim is not None else \
                     tuple((0, n) for n in spec.full_shape)
-                dtype = WIRE_DTYPES[spec.dtype or "uint8"]
+                dtype = CHECKPOINT_DTYPES[spec.dtype or "uint8"]
                 sources.append(TensorSource(item.name, spec.dtype or "uint8", item.shape,
                                             chunks=_chunks(reader, item.name, box, dtype,
                                                            chunk_bytes)))

@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from netdist.checkpoint.dtypes import CHECKPOINT_DTYPES, dtype_name
 from netdist.errors import CheckpointCorruptError, CheckpointVersionError
 from netdist.sharding import chunk_bounds, chunk_sizes
-from netdist.types import WIRE_DTYPES, dtype_to_wire
 
 __all__ = [
     "FORMAT_NAME",
@@ -219,7 +219,7 @@ class TensorShardSpec:
         sizes = _as_shape(self.shard_sizes, "shard_sizes")
         object.__setattr__(self, "shard_sizes", sizes)
         if self.dtype is not None:
-            object.__setattr__(self, "dtype", dtype_to_wire(self.dtype))
+            object.__setattr__(self, "dtype", dtype_name(self.dtype))
         if self.shard_dim is None:
             if sizes:
                 raise ValueError("a replicated spec (shard_dim=None) takes no shard_sizes")
@@ -239,7 +239,7 @@ class TensorShardSpec:
     @classmethod
     def replicated(cls, full_shape: Sequence[int], dtype: Any = None) -> TensorShardSpec:
         """The replicated placement: every rank holds the whole tensor."""
-        return cls(tuple(full_shape), None, (), None if dtype is None else dtype_to_wire(dtype))
+        return cls(tuple(full_shape), None, (), None if dtype is None else dtype_name(dtype))
 
     @classmethod
     def even(cls, full_shape: Sequence[int], num_ranks: int, shard_dim: int = 0,
@@ -249,7 +249,7 @@ class TensorShardSpec:
         if not 0 <= shard_dim < len(shape):
             raise ValueError(f"shard_dim {shard_dim} is out of range for shape {shape}")
         return cls(shape, shard_dim, tuple(chunk_sizes(shape[shard_dim], num_ranks)),
-                   None if dtype is None else dtype_to_wire(dtype))
+                   None if dtype is None else dtype_name(dtype))
 
     @property
     def placement(self) -> Placement:
@@ -286,7 +286,7 @@ class TensorShardSpec:
 
     def with_dtype(self, dtype: Any) -> TensorShardSpec:
         return TensorShardSpec(self.full_shape, self.shard_dim, self.shard_sizes,
-                               dtype_to_wire(dtype))
+                               dtype_name(dtype))
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.full_shape),
@@ -503,7 +503,7 @@ class ShardMetadata:
         for name, spec in self.tensor_specs.items():
             if spec.dtype is None:
                 raise ValueError(f"tensor {name!r} has no dtype")
-            itemsize = WIRE_DTYPES[spec.dtype].itemsize
+            itemsize = CHECKPOINT_DTYPES[spec.dtype].itemsize
             if spec.shard_dim is None:
                 if name not in self.writers:
                     raise ValueError(f"replicated tensor {name!r} has no writer")
@@ -693,13 +693,13 @@ def encode_object(obj: Any) -> Any:
         return {_TAG: "float", "v": repr(obj)}
     if isinstance(obj, np.generic):
         dtype = obj.dtype
-        if dtype.name not in WIRE_DTYPES:
+        if dtype.name not in CHECKPOINT_DTYPES:
             raise TypeError(f"cannot encode NumPy scalar of dtype {dtype}")
         return {_TAG: "scalar", "dtype": dtype.name, "v": encode_object(obj.item())}
     if isinstance(obj, np.ndarray):
-        dtype_name = dtype_to_wire(obj.dtype)
-        data = np.ascontiguousarray(obj, dtype=WIRE_DTYPES[dtype_name])
-        return {_TAG: "array", "dtype": dtype_name, "shape": list(obj.shape),
+        name = dtype_name(obj.dtype)
+        data = np.ascontiguousarray(obj, dtype=CHECKPOINT_DTYPES[name])
+        return {_TAG: "array", "dtype": name, "shape": list(obj.shape),
                 "v": base64.b64encode(data.tobytes()).decode("ascii")}
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return {_TAG: "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
@@ -743,9 +743,9 @@ def decode_object(data: Any) -> Any:
         if tag == "float":
             return float(value)
         if tag == "scalar":
-            return WIRE_DTYPES[data["dtype"]].type(decode_object(value))
+            return CHECKPOINT_DTYPES[data["dtype"]].type(decode_object(value))
         if tag == "array":
-            dtype = WIRE_DTYPES[data["dtype"]]
+            dtype = CHECKPOINT_DTYPES[data["dtype"]]
             raw = base64.b64decode(value)
             return np.frombuffer(raw, dtype=dtype).reshape(data["shape"]).copy()
         if tag == "bytes":

@@ -22,9 +22,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from netdist.checkpoint.dtypes import CHECKPOINT_DTYPES
 from netdist.checkpoint.metadata import TensorShardSpec
 from netdist.errors import CheckpointCorruptError
-from netdist.types import WIRE_DTYPES
 
 __all__ = [
     "read_ranks",
@@ -47,7 +47,7 @@ Box = tuple[tuple[int, int], ...]
 
 
 def _itemsize(spec: TensorShardSpec) -> int:
-    return WIRE_DTYPES[spec.dtype].itemsize if spec.dtype is not None else 1
+    return CHECKPOINT_DTYPES[spec.dtype].itemsize if spec.dtype is not None else 1
 
 
 def box_shape(box: Box) -> tuple[int, ...]:

@@ -1,66 +1,131 @@
 """PURE mapping between nested training state and flat tensors + plain values.
 
-A training state is a tree of dicts, lists and tuples whose leaves are arrays
-(replicated: every rank holds the same values), :class:`ShardedArray` (this rank's shard
-of a larger tensor) or plain values (ints, floats, strings, NumPy scalars, RNGs, ...).
+A training state is a tree of dicts, lists and tuples whose leaves are tensors -
+NumPy arrays and torch tensors (replicated: every rank holds the same values) or
+:class:`ShardedArray` (this rank's shard of a larger tensor) - or plain values (ints,
+floats, strings, None, NumPy scalars, RNGs, ...). A *stateful* object (anything with
+``state_dict()`` and ``load_state_dict()``: a torch module or optimizer, an LR scheduler,
+:class:`netdist.checkpoint.RNGState`) stands for its ``state_dict()``.
 
-:func:`flatten_state` names every array by its path (``"optim.state.0.exp_avg"``) and
-cuts the tree into *objects*: maximal sub-trees that hold no array (``"rng"``, ``"step"``,
-``"optim.param_groups"``). Objects are compared across ranks at save time: equal ones are
-stored once, differing ones per rank (see ``netdist.checkpoint.collective`` for the
-world-size-change policy). :func:`unflatten_state` rebuilds the tree.
+:func:`flatten_state` names every tensor by its path (``"optim.state.0.exp_avg"``) and
+cuts the tree into *objects*: maximal sub-trees that hold no tensor (``"rng"``,
+``"step"``, ``"optim.param_groups"``). Objects are compared across ranks at save time:
+equal ones are stored once, differing ones per rank (see ``netdist.checkpoint.collective``
+for the world-size-change policy). :func:`unflatten_state` rebuilds the tree.
+
+Torch tensors are recognised without importing torch (a tensor can only exist once torch
+is in ``sys.modules``); their skeleton node carries ``"torch": true`` so that a load
+without ``like`` hands back torch tensors. Torch tensors that are the same view of the
+same memory (tied weights: ``state_dict()`` gives each name its own detached view) are
+one tensor: the first name holds it, later names are aliases whose skeleton node names
+the first (``{"t": "tensor", "k": "<first name>"}``), so it is stored once and a load
+rebuilds one tensor under both names. NumPy arrays are never merged this way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import json
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from netdist.checkpoint.metadata import decode_object, encode_object
+from netdist.checkpoint.metadata import StateLayout, decode_object, encode_object
+from netdist.errors import CheckpointMismatchError
 
-__all__ = ["ShardedArray", "FlatState", "flatten_state", "unflatten_state", "SEPARATOR"]
+__all__ = [
+    "ShardedArray",
+    "FlatState",
+    "StatefulSlot",
+    "flatten_state",
+    "unflatten_state",
+    "skeleton_tensors",
+    "skeleton_subtree",
+    "subtree_objects",
+    "is_torch_tensor",
+    "is_stateful",
+    "state_summary",
+    "merge_summaries",
+    "SEPARATOR",
+]
 
 SEPARATOR = "."
+
+
+def is_torch_tensor(value: Any) -> bool:
+    """True for a ``torch.Tensor`` (``Parameter`` included), without importing torch."""
+    torch = sys.modules.get("torch")
+    tensor_type = getattr(torch, "Tensor", None)
+    return isinstance(tensor_type, type) and isinstance(value, tensor_type)
 
 
 @dataclass(frozen=True, slots=True)
 class ShardedArray:
     """This rank's shard of a tensor split along ``shard_dim`` over the group's ranks.
 
-    Shards are contiguous and in rank order; sizes may be uneven (the full shape is the
-    sum of every rank's extent along ``shard_dim``). On load, a ``ShardedArray`` in
-    ``like`` is filled in place with the region it covers in the new layout.
+    ``data`` is a NumPy array or a CPU torch tensor. Shards are contiguous and in rank
+    order; sizes may be uneven (the full shape is the sum of every rank's extent along
+    ``shard_dim``). On load, a ``ShardedArray`` in ``like`` is filled in place with the
+    region it covers in the new layout.
     """
 
-    data: np.ndarray
+    data: Any
     shard_dim: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.data, np.ndarray):
-            raise TypeError(f"ShardedArray.data must be an ndarray, got {type(self.data).__name__}")
-        if not 0 <= self.shard_dim < max(self.data.ndim, 1) or self.data.ndim == 0:
+        if not isinstance(self.data, np.ndarray) and not is_torch_tensor(self.data):
+            raise TypeError(f"ShardedArray.data must be an ndarray or a torch tensor, got "
+                            f"{type(self.data).__name__}")
+        ndim = self.data.ndim
+        if not 0 <= self.shard_dim < max(ndim, 1) or ndim == 0:
             raise ValueError(f"shard_dim {self.shard_dim} is out of range for a "
-                             f"{self.data.ndim}-d array")
+                             f"{ndim}-d array")
+
+
+def is_stateful(value: Any) -> bool:
+    """True for an object saved through ``state_dict()`` and restored through
+    ``load_state_dict()`` (torch modules, optimizers, schedulers, ``RNGState``)."""
+    if isinstance(value, (dict, list, tuple, np.ndarray, ShardedArray, type)):
+        return False
+    if is_torch_tensor(value):
+        return False
+    return (callable(getattr(value, "state_dict", None))
+            and callable(getattr(value, "load_state_dict", None)))
+
+
+@dataclass(frozen=True, slots=True)
+class StatefulSlot:
+    """A stateful object met while flattening ``like`` for a load: where it sits (its
+    path and the keys leading to it) and the object itself."""
+
+    path: str
+    keys: tuple[Any, ...]
+    obj: Any
 
 
 @dataclass(frozen=True, slots=True)
 class FlatState:
-    """A flattened state: ``tensors`` by path, ``objects`` by path, and the skeleton."""
+    """A flattened state: ``tensors`` by name, ``objects`` by path, and the skeleton.
 
-    tensors: dict[str, np.ndarray | ShardedArray]
+    ``aliases`` maps the path of every later name of a tied tensor to the name holding
+    it; ``statefuls`` lists the stateful objects left unexpanded (``keep_statefuls``).
+    """
+
+    tensors: dict[str, Any]
     objects: dict[str, Any]
     skeleton: Any
+    aliases: dict[str, str] = field(default_factory=dict)
+    statefuls: list[StatefulSlot] = field(default_factory=list)
 
 
 def _is_leaf_tensor(value: Any) -> bool:
-    return isinstance(value, (np.ndarray, ShardedArray))
+    return isinstance(value, (np.ndarray, ShardedArray)) or is_torch_tensor(value)
 
 
 def _holds_tensor(value: Any) -> bool:
-    if _is_leaf_tensor(value):
+    if _is_leaf_tensor(value) or isinstance(value, StatefulSlot):
         return True
     if isinstance(value, dict):
         return any(_holds_tensor(v) for v in value.values())
@@ -69,14 +134,39 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
-def flatten_state(state: Any) -> FlatState:
+def _expand(value: Any, keys: tuple[Any, ...], path: str, keep: bool) -> Any:
+    """Replace every stateful by its ``state_dict()`` (or, with ``keep``, by a
+    :class:`StatefulSlot`), rebuilding only the containers above one."""
+    if is_stateful(value):
+        if keep:
+            return StatefulSlot(path, keys, value)
+        return _expand(value.state_dict(), keys, path, keep)
+    if isinstance(value, dict):
+        out = {k: _expand(v, (*keys, k), _join(path, str(k)), keep) for k, v in value.items()}
+        return out if any(out[k] is not value[k] for k in value) else value
+    if isinstance(value, (list, tuple)) and not isinstance(value, ShardedArray):
+        items = [_expand(v, (*keys, i), _join(path, str(i)), keep) for i, v in enumerate(value)]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return tuple(items) if isinstance(value, tuple) else items
+    return value
+
+
+def flatten_state(state: Any, *, keep_statefuls: bool = False, prefix: str = "") -> FlatState:
     """Split ``state`` into named tensors, named objects and a JSON skeleton.
 
-    Raises ``ValueError`` when two paths collide (``{"a.b": x, "a": {"b": y}}``).
+    Stateful objects are replaced by their ``state_dict()``; with ``keep_statefuls`` they
+    are left whole instead (skeleton node ``{"t": "stateful", "k": path}``) and listed in
+    ``statefuls`` (a load restores them through ``load_state_dict``). ``prefix`` names
+    the position of ``state`` in a larger tree. Raises ``ValueError`` when two paths
+    collide (``{"a.b": x, "a": {"b": y}}``).
     """
-    tensors: dict[str, np.ndarray | ShardedArray] = {}
+    tensors: dict[str, Any] = {}
     objects: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    statefuls: list[StatefulSlot] = []
     seen: set[str] = set()
+    owners: dict[tuple[Any, ...], str] = {}
 
     def claim(path: str) -> str:
         if path in seen:
@@ -84,15 +174,35 @@ def flatten_state(state: Any) -> FlatState:
         seen.add(path)
         return path
 
+    def tensor_node(value: Any, path: str) -> dict[str, Any]:
+        if not path:
+            raise TypeError("the state must be a dict, list or tuple, not a bare array")
+        claim(path)
+        data = value.data if isinstance(value, ShardedArray) else value
+        node: dict[str, Any] = {"t": "tensor", "k": path}
+        if is_torch_tensor(data):
+            node["torch"] = True
+            if not isinstance(value, ShardedArray):
+                from netdist.checkpoint.torch_state import alias_key
+
+                key = alias_key(data)
+                if key is not None and key in owners:
+                    node["k"] = aliases[path] = owners[key]
+                    return node
+                if key is not None:
+                    owners[key] = path
+        if isinstance(value, ShardedArray):
+            node["dim"] = value.shard_dim
+        tensors[path] = value
+        return node
+
     def walk(value: Any, path: str) -> Any:
+        if isinstance(value, StatefulSlot):
+            claim(path)
+            statefuls.append(value)
+            return {"t": "stateful", "k": path}
         if _is_leaf_tensor(value):
-            if not path:
-                raise TypeError("the state must be a dict, list or tuple, not a bare array")
-            node: dict[str, Any] = {"t": "tensor", "k": claim(path)}
-            if isinstance(value, ShardedArray):
-                node["dim"] = value.shard_dim
-            tensors[path] = value
-            return node
+            return tensor_node(value, path)
         if not _holds_tensor(value):
             objects[claim(path)] = value
             return {"t": "object", "k": path}
@@ -107,23 +217,111 @@ def flatten_state(state: Any) -> FlatState:
         return {"t": kind, "items": [walk(child, _join(path, str(i)))
                                      for i, child in enumerate(value)]}
 
-    skeleton = walk(state, "")
-    return FlatState(tensors, objects, skeleton)
+    expanded = _expand(state, (), prefix, keep_statefuls)
+    skeleton = walk(expanded, prefix)
+    return FlatState(tensors, objects, skeleton, aliases, statefuls)
 
 
 def _join(prefix: str, key: str) -> str:
     return f"{prefix}{SEPARATOR}{key}" if prefix else key
 
 
-def unflatten_state(skeleton: Any, tensors: Mapping[str, Any], objects: Mapping[str, Any]) -> Any:
-    """Rebuild the tree described by ``skeleton`` from ``tensors`` and ``objects``."""
+def unflatten_state(skeleton: Any, tensors: Mapping[str, Any], objects: Mapping[str, Any],
+                    statefuls: Mapping[str, Any] | None = None) -> Any:
+    """Rebuild the tree described by ``skeleton`` from ``tensors`` and ``objects`` (and,
+    for ``stateful`` nodes, ``statefuls`` by path). Aliases of one tensor come back as
+    the same object."""
     kind = skeleton["t"]
     if kind == "tensor":
         return tensors[skeleton["k"]]
     if kind == "object":
         return objects[skeleton["k"]]
+    if kind == "stateful":
+        return (statefuls or {})[skeleton["k"]]
     if kind == "dict":
-        return {decode_object(k): unflatten_state(child, tensors, objects)
+        return {decode_object(k): unflatten_state(child, tensors, objects, statefuls)
                 for k, child in skeleton["items"]}
-    children = [unflatten_state(child, tensors, objects) for child in skeleton["items"]]
+    children = [unflatten_state(child, tensors, objects, statefuls)
+                for child in skeleton["items"]]
     return tuple(children) if kind == "tuple" else children
+
+
+def skeleton_tensors(skeleton: Any, prefix: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(path, node)`` of every tensor node of a skeleton, aliases included (their node's
+    ``"k"`` names the tensor holding the data)."""
+    stack: list[tuple[Any, str]] = [(skeleton, prefix)]
+    while stack:
+        node, path = stack.pop()
+        kind = node["t"]
+        if kind == "tensor":
+            yield path, node
+        elif kind == "dict":
+            stack.extend((child, _join(path, str(decode_object(key))))
+                         for key, child in reversed(node["items"]))
+        elif kind in ("list", "tuple"):
+            stack.extend((child, _join(path, str(i)))
+                         for i, child in reversed(list(enumerate(node["items"]))))
+
+
+def skeleton_subtree(skeleton: Any, keys: tuple[Any, ...]) -> Any | None:
+    """The node reached from ``skeleton`` by following ``keys`` (dict keys, list
+    indices), or None when the saved structure has nothing there."""
+    node = skeleton
+    for key in keys:
+        kind = node.get("t")
+        if kind == "dict":
+            for item_key, child in node["items"]:
+                if decode_object(item_key) == key and type(decode_object(item_key)) is type(key):
+                    node = child
+                    break
+            else:
+                return None
+        elif kind in ("list", "tuple") and isinstance(key, int):
+            if not 0 <= key < len(node["items"]):
+                return None
+            node = node["items"][key]
+        else:
+            return None
+    return node
+
+
+def subtree_objects(skeleton: Any) -> Iterator[str]:
+    """Paths of the object nodes below ``skeleton``."""
+    stack = [skeleton]
+    while stack:
+        node = stack.pop()
+        kind = node["t"]
+        if kind == "object":
+            yield node["k"]
+        elif kind == "dict":
+            stack.extend(child for _, child in node["items"])
+        elif kind in ("list", "tuple"):
+            stack.extend(node["items"])
+
+
+def state_summary(flat: FlatState) -> dict[str, Any]:
+    """What a rank tells the others (or the committing rank) about its plain values:
+    the skeleton and every object as canonical JSON text (compared as text)."""
+    return {"skeleton": flat.skeleton,
+            "objects": {key: json.dumps(encode_object(value), allow_nan=False)
+                        for key, value in flat.objects.items()}}
+
+
+def merge_summaries(summaries: Sequence[Mapping[str, Any]]) -> StateLayout:
+    """Every rank's :func:`state_summary` -> the state layout: values equal on every rank
+    are stored once, differing ones per rank. ``CheckpointMismatchError`` when the ranks'
+    trees differ in structure."""
+    first = summaries[0]
+    for rank, summary in enumerate(summaries[1:], start=1):
+        if summary["skeleton"] != first["skeleton"]:
+            raise CheckpointMismatchError(f"rank {rank}'s state has a different structure "
+                                          f"from rank 0's (keys, nesting or leaf kinds)")
+    objects: dict[str, Any] = {}
+    rank_objects: dict[str, tuple[Any, ...]] = {}
+    for key, text in first["objects"].items():
+        texts = [s["objects"][key] for s in summaries]
+        if all(t == text for t in texts):
+            objects[key] = decode_object(json.loads(text))
+        else:
+            rank_objects[key] = tuple(decode_object(json.loads(t)) for t in texts)
+    return StateLayout(first["skeleton"], objects, rank_objects)

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from netdist.checkpoint.dtypes import CHECKPOINT_DTYPES, dtype_name
 from netdist.checkpoint.metadata import (
     CHECKSUM_BLOCK_SIZE,
     MAX_METADATA_BYTES,
@@ -53,7 +54,6 @@ from netdist.checkpoint.metadata import (
 )
 from netdist.checkpoint.planner import Box, box_shape, run_layout
 from netdist.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
-from netdist.types import WIRE_DTYPES, dtype_to_wire
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -362,7 +362,7 @@ class TensorSource:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * WIRE_DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * CHECKPOINT_DTYPES[self.dtype].itemsize
 
     def iter_chunks(self) -> Iterator[np.ndarray]:
         if self.data is not None:
@@ -383,7 +383,7 @@ class HeaderEntry:
 
     @property
     def itemsize(self) -> int:
-        return WIRE_DTYPES[self.dtype].itemsize
+        return CHECKPOINT_DTYPES[self.dtype].itemsize
 
 
 def build_header(sources: Sequence[tuple[str, str, tuple[int, ...]]],
@@ -396,7 +396,7 @@ def build_header(sources: Sequence[tuple[str, str, tuple[int, ...]]],
     Returns the prefix and the entries in file order with absolute offsets.
     """
     order = sorted(range(len(sources)),
-                   key=lambda i: (-WIRE_DTYPES[sources[i][1]].itemsize, sources[i][0]))
+                   key=lambda i: (-CHECKPOINT_DTYPES[sources[i][1]].itemsize, sources[i][0]))
     names = set()
     header: dict[str, Any] = {}
     if metadata:
@@ -408,7 +408,7 @@ def build_header(sources: Sequence[tuple[str, str, tuple[int, ...]]],
         if name in names or name == "__metadata__":
             raise ValueError(f"duplicate or reserved tensor name {name!r}")
         names.add(name)
-        nbytes = math.prod(shape) * WIRE_DTYPES[dtype].itemsize
+        nbytes = math.prod(shape) * CHECKPOINT_DTYPES[dtype].itemsize
         header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                         "data_offsets": [offset, offset + nbytes]}
         layout.append((name, dtype, tuple(shape), offset, offset + nbytes))
@@ -480,8 +480,8 @@ def write_safetensors(path: str | os.PathLike[str], sources: Sequence[TensorSour
 
 def _as_le_contiguous(array: Any, dtype: str) -> np.ndarray:
     array = np.asarray(array)
-    target = WIRE_DTYPES[dtype]
-    if dtype_to_wire(array.dtype) != dtype:
+    target = CHECKPOINT_DTYPES[dtype]
+    if dtype_name(array.dtype) != dtype:
         raise TypeError(f"array of dtype {array.dtype} where {dtype} was declared")
     if array.dtype != target or not array.flags.c_contiguous:
         array = np.ascontiguousarray(array, dtype=target)
@@ -495,7 +495,7 @@ def _header_entry(name: str, info: Any, data_start: int) -> HeaderEntry:
     if not isinstance(info, dict):
         raise TypeError(f"{name!r}: entry is not an object")
     dtype = _FROM_SAFETENSORS[info["dtype"]]
-    if dtype not in WIRE_DTYPES:
+    if dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"{name!r}: dtype {info['dtype']} is not supported here")
     shape = info["shape"]
     offsets = info["data_offsets"]
@@ -507,7 +507,7 @@ def _header_entry(name: str, info: Any, data_start: int) -> HeaderEntry:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name!r}: {value!r:.40} is not an integer >= 0")
     begin, end = offsets
-    nbytes = math.prod(shape) * WIRE_DTYPES[dtype].itemsize
+    nbytes = math.prod(shape) * CHECKPOINT_DTYPES[dtype].itemsize
     if end - begin != nbytes:
         raise ValueError(f"{name!r}: offsets {begin}..{end} do not hold {dtype} "
                          f"{tuple(shape)} ({nbytes} bytes)")
@@ -721,7 +721,7 @@ class ShardFile:
         entry = self.entry(name)
         box = tuple((0, n) for n in entry.shape)
         if out is None:
-            out = np.empty(entry.shape, dtype=WIRE_DTYPES[entry.dtype])
+            out = np.empty(entry.shape, dtype=CHECKPOINT_DTYPES[entry.dtype])
         self.read_box(name, box, out)
         return out
 
@@ -732,7 +732,7 @@ class ShardFile:
         needed to check them); memory beyond ``dest`` is at most an 8 MiB bounce buffer.
         """
         entry = self.entry(name)
-        dtype = WIRE_DTYPES[entry.dtype]
+        dtype = CHECKPOINT_DTYPES[entry.dtype]
         if dest.dtype != dtype:
             raise TypeError(f"{name}: destination dtype {dest.dtype}, stored {dtype}")
         if tuple(dest.shape) != box_shape(box):

@@ -1,0 +1,470 @@
+"""Where a load puts each saved tensor and value, and how it rebuilds the result.
+
+Shared by the collective ``load`` and the per-rank ``load_distributed(like=...)``:
+:func:`plan_restore` turns a checkpoint's metadata and the caller's ``like`` (or none)
+into the boxes to read, the arrays to read them into, and a ``finish`` step that builds
+the result once the bytes are in. No I/O happens here.
+
+With ``like``:
+
+- every tensor leaf (NumPy array, torch tensor, ``ShardedArray``) is filled **in place**:
+  a torch tensor through a NumPy view of its memory, so a model's ``state_dict()`` views
+  restore its parameters directly;
+- a *stateful* object (``state_dict()`` + ``load_state_dict()``: a module, an optimizer,
+  ``RNGState``) receives the **saved** sub-tree at its position: the tensors its current
+  ``state_dict()`` already holds (same path, dtype and shape) are filled in place, the ones
+  it lacks (an optimizer's lazily created momentum buffers, ``exp_avg``, ``step``) are
+  created, and the whole sub-tree is handed to its ``load_state_dict()`` after reading
+  (``strict`` is passed on to modules);
+- tied tensors come back tied: names the checkpoint stores once are read once, and a
+  rebuilt sub-tree holds one tensor under every name.
+
+Without ``like`` the saved tree is rebuilt with fresh arrays; leaves that were torch
+tensors come back as torch tensors (when torch is importable), and bfloat16 without
+``ml_dtypes`` comes back as ``torch.bfloat16`` or, without torch either, as a clear
+``CheckpointMismatchError`` raised before any byte is read.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from netdist.checkpoint.dtypes import (
+    CHECKPOINT_DTYPES,
+    dtype_name,
+    is_raw_bfloat16,
+    unrepresentable,
+)
+from netdist.checkpoint.metadata import ShardMetadata, StateLayout, TensorShardSpec
+from netdist.checkpoint.planner import Box, box_shape
+from netdist.checkpoint.state import (
+    SEPARATOR,
+    ShardedArray,
+    flatten_state,
+    is_torch_tensor,
+    skeleton_subtree,
+    skeleton_tensors,
+    subtree_objects,
+    unflatten_state,
+)
+from netdist.errors import CheckpointCorruptError, CheckpointMismatchError
+from netdist.sharding import chunk_bounds
+
+__all__ = [
+    "RANK_OBJECT_POLICIES",
+    "check_rank_objects",
+    "RestorePlan",
+    "plan_restore",
+    "leaf_array",
+    "check_destination",
+    "apply_state",
+    "full_box",
+    "pick_object",
+    "per_rank_error",
+]
+
+
+RANK_OBJECT_POLICIES = ("error", "like", "modulo", "rank0")
+"""How per-rank plain values map onto another world size (``netdist.checkpoint.collective``)."""
+
+
+def check_rank_objects(policy: str) -> None:
+    if policy not in RANK_OBJECT_POLICIES:
+        raise ValueError(f"rank_objects must be one of {RANK_OBJECT_POLICIES}, got {policy!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    """What one rank reads (``wanted`` box of each tensor, into ``dests``), the extra
+    destinations that receive a copy of a tensor read once (``copies``), and ``finish``,
+    which builds the result after reading."""
+
+    wanted: dict[str, Box]
+    dests: dict[str, np.ndarray]
+    copies: list[tuple[str, np.ndarray]]
+    finish: Callable[[], Any]
+
+    def complete(self) -> Any:
+        """Copy tied destinations, then build the result (calls ``load_state_dict``)."""
+        for name, dest in self.copies:
+            np.copyto(dest, self.dests[name])
+        return self.finish()
+
+
+def full_box(shape: tuple[int, ...]) -> Box:
+    return tuple((0, n) for n in shape)
+
+
+def leaf_array(value: Any, name: str) -> np.ndarray:
+    """The NumPy array a tensor leaf is written from or read into (a torch tensor's own
+    memory, never a copy)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if is_torch_tensor(value):
+        from netdist.checkpoint.torch_state import tensor_array
+
+        return tensor_array(value, name)
+    try:
+        array = np.asarray(value)
+    except Exception as exc:
+        raise TypeError(f"{name!r}: cannot view {type(value).__name__} as an array") from exc
+    if array.dtype == object:
+        raise TypeError(f"{name!r}: {type(value).__name__} is not an array")
+    return array
+
+
+def _dtype_text(dtype: np.dtype[Any]) -> str:
+    try:
+        return dtype_name(dtype)
+    except TypeError:
+        return str(dtype)
+
+
+def check_destination(name: str, spec: TensorShardSpec, box: Box, dest: np.ndarray) -> None:
+    """Raise ``CheckpointMismatchError`` unless ``dest`` can receive ``box`` of ``name``."""
+    want_dtype = CHECKPOINT_DTYPES[spec.dtype] if spec.dtype is not None else None
+    if want_dtype is not None and dest.dtype != want_dtype:
+        raise CheckpointMismatchError(
+            f"tensor {name!r}: checkpoint has dtype {spec.dtype}, target has "
+            f"{_dtype_text(dest.dtype)}")
+    if tuple(dest.shape) != box_shape(box):
+        raise CheckpointMismatchError(
+            f"tensor {name!r}: target shape {tuple(dest.shape)} does not match the "
+            f"{box_shape(box)} region expected (full shape {spec.full_shape})")
+
+
+def _is_module(obj: Any) -> bool:
+    """True for a ``torch.nn.Module`` (without importing torch)."""
+    torch = sys.modules.get("torch")
+    module_type = getattr(getattr(torch, "nn", None), "Module", None)
+    return isinstance(module_type, type) and isinstance(obj, module_type)
+
+
+def apply_state(obj: Any, state: Any, current: Any, *, strict: bool, path: str) -> None:
+    """Hand a restored sub-tree to ``obj.load_state_dict`` (``strict`` for torch modules).
+
+    ``current`` is the ``state_dict()`` taken before loading; its ``_metadata`` (module
+    versions, which modules read to migrate old state) is carried over.
+    """
+    if isinstance(state, dict) and hasattr(current, "_metadata"):
+        state = OrderedDict(state)
+        state._metadata = current._metadata  # type: ignore[attr-defined]
+    load_state_dict: Callable[..., Any] = obj.load_state_dict
+    try:
+        if _is_module(obj):
+            load_state_dict(state, strict=strict)
+        else:
+            load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise CheckpointMismatchError(f"{path!r}: {type(obj).__name__}.load_state_dict "
+                                      f"refused the saved state: {exc}") from exc
+
+
+def per_rank_error(keys: list[str], num_ranks: int, world_size: int) -> CheckpointMismatchError:
+    return CheckpointMismatchError(
+        f"values {', '.join(repr(k) for k in sorted(keys))} differed between the {num_ranks} "
+        f"ranks that saved the checkpoint and cannot be mapped onto {world_size} ranks; "
+        f"pass rank_objects='like' (keep the current value), 'modulo' or 'rank0'")
+
+
+def pick_object(key: str, layout: StateLayout, rank: int, world_size: int, num_ranks: int,
+                policy: str, like_objects: Mapping[str, Any] | None) -> Any:
+    """The saved value of ``key`` for ``rank`` (per-rank values mapped by ``policy``)."""
+    if key in layout.objects:
+        return layout.objects[key]
+    values = layout.rank_objects[key]
+    if world_size == num_ranks:
+        return values[rank]
+    if policy == "modulo":
+        return values[rank % num_ranks]
+    if policy == "rank0":
+        return values[0]
+    if policy == "like" and like_objects is not None and key in like_objects:
+        return like_objects[key]
+    raise per_rank_error([key], num_ranks, world_size)
+
+
+def _restore_object(current: Any, loaded: Any) -> Any:
+    """Generators in ``like`` are restored in place, so references to them stay valid."""
+    if isinstance(current, np.random.Generator) and isinstance(loaded, np.random.Generator):
+        if type(current.bit_generator) is type(loaded.bit_generator):
+            current.bit_generator.state = loaded.bit_generator.state
+            return current
+    if isinstance(current, np.random.BitGenerator) and isinstance(loaded, np.random.BitGenerator):
+        if type(current) is type(loaded):
+            current.state = loaded.state
+            return current
+    return loaded
+
+
+def _as_torch(array: np.ndarray) -> Any:
+    """``array`` as a torch tensor (no copy) when torch is importable, else unchanged."""
+    if not _torch_importable():
+        return array
+    from netdist.checkpoint.torch_state import array_tensor
+
+    return array_tensor(array)
+
+
+def _torch_importable() -> bool:
+    try:
+        import torch  # noqa: F401  (only when a load must hand out torch tensors)
+    except ImportError:
+        return False
+    return True
+
+
+def _under(key: str, prefixes: list[str]) -> bool:
+    return any(key == p or key.startswith(p + SEPARATOR) for p in prefixes)
+
+
+def _same_view(a: np.ndarray, b: np.ndarray) -> bool:
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.strides == b.strides and a.shape == b.shape and a.dtype == b.dtype)
+
+
+class _Targets:
+    """Destinations by saved tensor name; a name claimed twice is read once and copied."""
+
+    def __init__(self, specs: Mapping[str, TensorShardSpec]) -> None:
+        self.specs = specs
+        self.wanted: dict[str, Box] = {}
+        self.dests: dict[str, np.ndarray] = {}
+        self.copies: list[tuple[str, np.ndarray]] = []
+        self.leaves: dict[str, Any] = {}
+
+    def claim(self, name: str, box: Box, dest: np.ndarray, leaf: Any) -> None:
+        check_destination(name, self.specs[name], box, dest)
+        if name in self.wanted:
+            if self.wanted[name] != box:
+                raise CheckpointMismatchError(
+                    f"tensor {name!r} is wanted as two different regions by `like`")
+            if not _same_view(self.dests[name], dest):
+                self.copies.append((name, dest))
+            return
+        self.wanted[name], self.dests[name] = box, dest
+        self.leaves[name] = leaf
+
+    def fresh(self, name: str, box: Box, as_torch: bool) -> Any:
+        """Allocate a destination for ``box`` of ``name``; return the leaf handed out."""
+        spec = self.specs[name]
+        if spec.dtype is None:
+            raise CheckpointCorruptError(f"tensor {name!r} has no dtype in the metadata")
+        dtype = CHECKPOINT_DTYPES[spec.dtype]
+        raw_bf16 = is_raw_bfloat16(dtype)
+        if raw_bf16 and not _torch_importable():
+            raise unrepresentable(name, spec.dtype)
+        dest = np.empty(box_shape(box), dtype=dtype)
+        leaf: Any = dest
+        if as_torch or raw_bf16:
+            leaf = _as_torch(dest)
+        self.claim(name, box, dest, leaf)
+        return leaf
+
+
+def _saved_paths(metadata: ShardMetadata) -> dict[str, dict[str, Any]]:
+    """Every saved tensor path (aliases included) -> its skeleton node."""
+    if metadata.state is None:
+        return {name: {"t": "tensor", "k": name} for name in metadata.tensor_specs}
+    return dict(skeleton_tensors(metadata.state.skeleton))
+
+
+def _torch_names(metadata: ShardMetadata) -> set[str]:
+    if metadata.state is None:
+        return set()
+    return {node["k"] for _, node in skeleton_tensors(metadata.state.skeleton)
+            if node.get("torch")}
+
+
+def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int, *,
+                 strict: bool, rank_objects: str,
+                 extents: list[Mapping[str, Any]] | None = None) -> RestorePlan:
+    """Plan ``rank``'s share of a load at ``world_size`` (module docstring).
+
+    ``extents`` (collective loads) holds every rank's ``{name: [shard_dim, extent]}`` for
+    the ``ShardedArray`` leaves of its ``like``, which places each rank's shard; without
+    it (per-rank loads) a ``ShardedArray`` must cover exactly this rank's part of the even
+    re-split (``chunk_sizes``). Raises ``CheckpointMismatchError`` for anything ``like``
+    cannot receive, before any byte is read.
+    """
+    specs = metadata.tensor_specs
+    layout = metadata.state
+    targets = _Targets(specs)
+    if (layout is not None and layout.rank_objects and world_size != metadata.num_ranks
+            and rank_objects in ("error", "like")):
+        mapped: set[str] = set()
+        if like is not None and rank_objects == "like":
+            mapped = set(flatten_state(like).objects)
+        unmapped = sorted(set(layout.rank_objects) - mapped)
+        if unmapped:
+            raise per_rank_error(unmapped, metadata.num_ranks, world_size)
+    if like is None:
+        return _plan_fresh(metadata, targets, rank, world_size, rank_objects)
+
+    def pick(key: str, like_objects: Mapping[str, Any] | None) -> Any:
+        if layout is None:  # only keys of a saved layout are ever picked
+            raise CheckpointCorruptError(f"the checkpoint records no value {key!r}")
+        return pick_object(key, layout, rank, world_size, metadata.num_ranks, rank_objects,
+                           like_objects)
+
+    flat = flatten_state(like, keep_statefuls=True)
+    saved = _saved_paths(metadata)
+    stateful_paths = [slot.path for slot in flat.statefuls]
+
+    # 1. tensor leaves of `like` outside stateful objects: filled in place
+    like_paths = [*flat.tensors, *flat.aliases]
+    missing = sorted(p for p in like_paths if p not in saved)
+    if missing:
+        raise CheckpointMismatchError(f"the checkpoint has no tensors named {missing}")
+    if strict:
+        unexpected = sorted(p for p in saved if p not in flat.tensors
+                            and p not in flat.aliases and not _under(p, stateful_paths))
+        if unexpected:
+            raise CheckpointMismatchError(
+                f"the checkpoint has tensors that `like` lacks: {unexpected} (pass "
+                f"strict=False to ignore them; to have an optimizer's state created, put "
+                f"the optimizer itself in `like`, not its state_dict())")
+    for path in like_paths:
+        value = flat.tensors[flat.aliases.get(path, path)]
+        name = saved[path]["k"]
+        box, dest = _like_destination(name, path, specs[name], value, rank, world_size,
+                                      extents)
+        targets.claim(name, box, dest, value)
+
+    # 2. plain values outside stateful objects
+    loaded_objects: dict[str, Any] = {}
+    saved_keys = set() if layout is None else {*layout.objects, *layout.rank_objects}
+    for key, current in flat.objects.items():
+        if key in saved_keys:
+            loaded_objects[key] = _restore_object(current, pick(key, flat.objects))
+        elif strict and layout is not None:
+            raise CheckpointMismatchError(f"the checkpoint holds no value for {key!r}")
+        else:
+            loaded_objects[key] = current
+    if strict and layout is not None:
+        unexpected = sorted(k for k in saved_keys - set(flat.objects)
+                            if not _under(k, stateful_paths))
+        if unexpected:
+            raise CheckpointMismatchError(f"the checkpoint has values that `like` lacks: "
+                                          f"{unexpected} (pass strict=False to ignore them)")
+
+    # 3. stateful objects: the saved sub-tree, in place where they hold the tensor already
+    appliers: list[Callable[[], None]] = []
+    for slot in flat.statefuls:
+        sub = skeleton_subtree(layout.skeleton, slot.keys) if layout is not None else None
+        if sub is None:
+            raise CheckpointMismatchError(f"the checkpoint holds no state for {slot.path!r} "
+                                          f"({type(slot.obj).__name__})")
+        appliers.append(_plan_stateful(slot.path, slot.obj, sub, targets, pick, strict))
+
+    def finish() -> Any:
+        for apply in appliers:
+            apply()
+        return unflatten_state(flat.skeleton, flat.tensors, loaded_objects,
+                               {slot.path: slot.obj for slot in flat.statefuls})
+
+    return RestorePlan(targets.wanted, targets.dests, targets.copies, finish)
+
+
+def _like_destination(name: str, path: str, spec: TensorShardSpec, value: Any, rank: int,
+                      world_size: int, extents: list[Mapping[str, Any]] | None
+                      ) -> tuple[Box, np.ndarray]:
+    """The box a ``like`` leaf receives and the array it is read into."""
+    if not isinstance(value, ShardedArray):
+        dest = leaf_array(value, name)
+        if not dest.flags.writeable:
+            raise CheckpointMismatchError(f"{name!r}: `like` must hold writeable arrays")
+        return full_box(spec.full_shape), dest
+    dest, dim = leaf_array(value.data, name), value.shard_dim
+    if dim >= len(spec.full_shape):
+        raise CheckpointMismatchError(f"{name!r}: `like` shards dim {dim} of a "
+                                      f"{len(spec.full_shape)}-d tensor")
+    if extents is not None:  # collective: every rank's extent is known
+        per_rank = [e[path] for e in extents]
+        offset = sum(e[1] for e in per_rank[:rank])
+        total = sum(e[1] for e in per_rank)
+        tiles = all(e[0] == dim for e in per_rank) and total == spec.full_shape[dim]
+        what = f"(dim {dim}, {total} in all)"
+    else:  # per rank: this rank's part of the even re-split
+        offset, stop = chunk_bounds(spec.full_shape[dim], world_size)[rank]
+        tiles = stop - offset == dest.shape[dim]
+        what = (f"(rank {rank} holds {dest.shape[dim]} along dim {dim}; the even split "
+                f"over {world_size} ranks gives it {stop - offset})")
+    if not tiles:
+        raise CheckpointMismatchError(
+            f"{name!r}: the shards in `like` {what} do not tile the checkpoint's full "
+            f"shape {spec.full_shape}")
+    corners = list(full_box(spec.full_shape))
+    corners[dim] = (offset, offset + dest.shape[dim])
+    if not dest.flags.writeable:
+        raise CheckpointMismatchError(f"{name!r}: `like` must hold writeable arrays")
+    return tuple(corners), dest
+
+
+def _plan_stateful(path: str, obj: Any, sub: Any, targets: _Targets,
+                   pick: Callable[[str, Mapping[str, Any] | None], Any],
+                   strict: bool) -> Callable[[], None]:
+    """Claim destinations for the saved sub-tree ``sub`` of a stateful at ``path``;
+    return the step that hands the rebuilt sub-tree to its ``load_state_dict``."""
+    current_state = obj.state_dict()
+    current = flatten_state(current_state, prefix=path)
+    saved_here = dict(skeleton_tensors(sub, path))
+    if strict:
+        held = [*current.tensors, *current.aliases]
+        lacking = sorted(p for p in held if p not in saved_here)
+        if lacking:
+            raise CheckpointMismatchError(
+                f"{path!r} ({type(obj).__name__}) holds tensors the checkpoint lacks: "
+                f"{lacking} (pass strict=False to keep their current values)")
+        unexpected = sorted(set(saved_here) - set(held)) if _is_module(obj) else []
+        if unexpected:  # a module never grows state (an optimizer does, lazily)
+            raise CheckpointMismatchError(
+                f"the checkpoint has tensors that {path!r} ({type(obj).__name__}) lacks: "
+                f"{unexpected} (pass strict=False to ignore them)")
+    for tensor_path, node in saved_here.items():
+        name = node["k"]
+        if name in targets.leaves:
+            continue
+        value = current.tensors.get(current.aliases.get(tensor_path, tensor_path))
+        box = full_box(targets.specs[name].full_shape)
+        if value is not None and not isinstance(value, ShardedArray):
+            targets.claim(name, box, leaf_array(value, name), value)
+        else:
+            as_torch = bool(node.get("torch")) or any(is_torch_tensor(v) for v in
+                                                      current.tensors.values())
+            targets.fresh(name, box, as_torch)
+    objects = {key: pick(key, current.objects) for key in subtree_objects(sub)}
+
+    def apply() -> None:
+        tree = unflatten_state(sub, targets.leaves, objects)
+        apply_state(obj, tree, current_state, strict=strict, path=path)
+
+    return apply
+
+
+def _plan_fresh(metadata: ShardMetadata, targets: _Targets, rank: int, world_size: int,
+                rank_objects: str) -> RestorePlan:
+    """No ``like``: the saved structure, fresh arrays (torch tensors where saved so),
+    sharded tensors re-split evenly as ``ShardedArray``."""
+    layout = metadata.state
+    torch_names = _torch_names(metadata)
+    leaves: dict[str, Any] = {}
+    for name, spec in metadata.rebalanced(world_size).items():
+        box = spec.box(rank) if spec.shard_dim is not None else full_box(spec.full_shape)
+        leaf = targets.fresh(name, box, name in torch_names)
+        leaves[name] = ShardedArray(leaf, spec.shard_dim) if spec.shard_dim is not None \
+            else leaf
+    if layout is None:
+        return RestorePlan(targets.wanted, targets.dests, targets.copies,
+                           lambda: dict(leaves))
+    objects = {key: pick_object(key, layout, rank, world_size, metadata.num_ranks,
+                                rank_objects, None)
+               for key in [*layout.objects, *layout.rank_objects]}
+    return RestorePlan(targets.wanted, targets.dests, targets.copies,
+                       lambda: unflatten_state(layout.skeleton, leaves, objects))
