@@ -79,7 +79,8 @@ class WireLimits:
     max_payload_bytes: int = 8 * 1024**3
     max_ndim: int = 32
     allowed_dtypes: frozenset[str] | None = None
-    """Wire dtype names accepted; ``None`` means every dtype in ``netdist.types.WIRE_DTYPES``."""
+    """Wire dtype names accepted; ``None`` means every dtype netdist carries
+    (``netdist.types.CARRIED_DTYPES``: ``WIRE_DTYPES`` and always bfloat16)."""
 
     def __post_init__(self) -> None:
         if self.max_header_bytes < 64:
