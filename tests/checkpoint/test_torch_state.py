@@ -26,7 +26,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,30 +52,14 @@ from netdist.checkpoint import (
 )
 from netdist.collectives import Group
 from netdist.errors import CheckpointError, CheckpointMismatchError
-from netdist.transport import InProcessTransport
 from tests.checkpoint import torch_bf16_worker as bf16
+from tests.checkpoint.test_collective import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 OP_TIMEOUT = 20.0
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-async def run_ranks(n: int, body: Callable[[Group], Awaitable[Any]], *,
-                    return_exceptions: bool = False) -> list[Any]:
-    """Run ``body`` on every rank of an in-process group of ``n`` ranks."""
-    transports = InProcessTransport.create_group(n, timeout=OP_TIMEOUT)
-    groups = [Group(t) for t in transports]
-    try:
-        async with asyncio.timeout(60):
-            return list(await asyncio.gather(*(body(g) for g in groups),
-                                             return_exceptions=return_exceptions))
-    finally:
-        for g in groups:
-            await g.aclose()
-        for t in transports:
-            await t.aclose()
 
 
 def assert_bitwise(actual: Any, expected: Any, where: str = "state") -> None:
