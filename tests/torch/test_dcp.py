@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils._pytree import tree_map_only
 
 from .torch_ranks import (CANDIDATE, TEST_TIMEOUT, assert_bitwise_equal, init_process_group,
-                          run_ranks, synthetic_classification)
+                          run_ranks, train_steps)
 
 # Two runs of rank processes per test: on a loaded machine that can outlast the default.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT)]
@@ -56,16 +56,7 @@ def shard(model: nn.Sequential, world_size: int) -> None:
 def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world_size: int,
           steps: int, seed: int) -> torch.Tensor:
     """``steps`` optimizer steps on this rank's share of a data stream; the local losses."""
-    x, y = synthetic_classification(steps, world_size * PER_RANK_BATCH, seed=seed)
-    rows = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
-    losses = []
-    for step in range(steps):
-        loss = nn.functional.cross_entropy(model(x[step, rows]), y[step, rows])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return torch.stack(losses)
+    return train_steps(model, opt, rank, world_size, steps, PER_RANK_BATCH, seed=seed)
 
 
 def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:

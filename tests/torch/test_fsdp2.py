@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from .torch_ranks import (CANDIDATE, TEST_TIMEOUT, assert_bitwise_equal, init_process_group,
-                          run_ranks, synthetic_classification)
+                          run_ranks, synthetic_classification, train_steps)
 
 # Two runs of rank processes per test: on a loaded machine that can outlast the default.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT)]
@@ -43,16 +43,7 @@ def make_model() -> nn.Sequential:
 def train(model: nn.Module, rank: int, world_size: int) -> torch.Tensor:
     """``STEPS`` Adam steps on this rank's share of each global batch; the local losses."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    x, y = synthetic_classification(STEPS, world_size * PER_RANK_BATCH)
-    rows = slice(rank * PER_RANK_BATCH, (rank + 1) * PER_RANK_BATCH)
-    losses = []
-    for step in range(STEPS):
-        loss = nn.functional.cross_entropy(model(x[step, rows]), y[step, rows])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return torch.stack(losses)
+    return train_steps(model, opt, rank, world_size, STEPS, PER_RANK_BATCH)
 
 
 def fsdp_train(rank: int, world_size: int, backend: str, init_method: str, out_dir: str,

@@ -227,3 +227,20 @@ def run_ranks(fn: Callable[..., Any], world_size: int, backend: str, out_dir: Pa
                         f"{_errors(out_dir, world_size, exitcodes, killed)}")
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=True)
             for rank in range(world_size)]
+
+
+def train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int,
+                world_size: int, steps: int, per_rank_batch: int,
+                seed: int = 1234) -> torch.Tensor:
+    """``steps`` optimizer steps on this rank's share of each global batch of the
+    synthetic stream; returns the local losses."""
+    x, y = synthetic_classification(steps, world_size * per_rank_batch, seed=seed)
+    rows = slice(rank * per_rank_batch, (rank + 1) * per_rank_batch)
+    losses = []
+    for step in range(steps):
+        loss = torch.nn.functional.cross_entropy(model(x[step, rows]), y[step, rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
