@@ -22,10 +22,12 @@ from netdist.progress.proxy import unwrap
 from netdist.torch.backend import BACKEND_NAME, ProcessGroupNetdist
 from netdist.torch.errors import NetdistDistError, NetdistNetworkError, NetdistTimeout
 from netdist.torch.rendezvous import join_from_store
+from netdist.torch.sync import GradientSync
 from netdist.torch.work import NetdistWork
 
 __all__ = [
     "register",
+    "GradientSync",
     "ProcessGroupNetdist",
     "NetdistWork",
     "NetdistDistError",
