@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from netdist.collectives.group import Group
-from netdist.errors import CollectiveMismatchError, NetdistTimeoutError
+from netdist.errors import CollectiveMismatchError, NetdistTimeoutError, PeerLostError
 from netdist.progress.job import Job
 from netdist.torch.errors import to_torch_error
 from netdist.torch.tensors import Staged, as_array, as_bytes, check_cpu, stage
@@ -616,7 +616,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
     def monitored_barrier(self, timeout: timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:
         """Rank 0 waits up to ``timeout`` for every rank and names those that did not come."""
-        seconds = timeout.total_seconds() if timeout else self._seconds
+        seconds = timeout.total_seconds() if timeout is not None else self._seconds
         tag = _MONITORED_TAG + (self._monitored % USER_TAG_LIMIT)
         self._monitored += 1
         group, me = self._group, self.rank()
@@ -684,27 +684,38 @@ async def _recv_any(group: Group, peers: list[int], tag: int, out: np.ndarray,
 
 async def _monitored_barrier(group: Group, me: int, tag: int, seconds: float,
                              wait_all_ranks: bool) -> None:
+    """Gloo's protocol and messages: every rank reports to rank 0, which names the ranks
+    that did not arrive in time and releases the others."""
     n = group.world_size
     token = np.zeros(1, np.uint8)
+    ms = int(seconds * 1000)
     if me != 0:
-        await group.send(token, 0, tag, timeout=seconds)
-        await group.recv(0, tag, out=np.zeros(1, np.uint8), timeout=seconds)
+        try:
+            await group.send(token, 0, tag, timeout=max(seconds, 0.001))
+            await group.recv(0, tag, out=np.zeros(1, np.uint8), timeout=max(seconds, 0.001))
+        except (NetdistTimeoutError, PeerLostError) as exc:
+            raise NetdistTimeoutError(
+                f"Rank {me} successfully reached monitoredBarrier, but received errors while "
+                f"waiting for send/recv from rank 0. Please check rank 0 logs for faulty "
+                f"rank. ({exc})") from exc
         return
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     missing: list[int] = []
     for peer in range(1, n):
-        remaining = max(deadline - loop.time(), 0.001)
+        remaining = deadline - loop.time()
+        if remaining <= 0 and not missing:
+            raise NetdistTimeoutError(f"Rank 0 timed out in monitoredBarrier after {ms} ms")
         try:
-            await group.recv(peer, tag, out=np.zeros(1, np.uint8), timeout=remaining)
-        except NetdistTimeoutError:
+            await group.recv(peer, tag, out=np.zeros(1, np.uint8),
+                             timeout=max(remaining, 0.001))
+        except (NetdistTimeoutError, PeerLostError):
             missing.append(peer)
             if not wait_all_ranks:
                 break
     if missing:
-        ms = int(seconds * 1000)
         listed = ", ".join(map(str, missing))
         raise NetdistTimeoutError(f"[Rank 0]: Rank{'s' if len(missing) > 1 else ''} "
                                   f"{listed} failed to pass monitoredBarrier in {ms} ms")
-    await asyncio.gather(*(group.send(token, peer, tag, timeout=seconds)
+    await asyncio.gather(*(group.send(token, peer, tag, timeout=max(seconds, 0.001))
                            for peer in range(1, n)))

@@ -50,7 +50,9 @@ def to_torch_error(exc: BaseException) -> BaseException:
     if isinstance(exc, (PeerLostError, ConnectError, TransportClosedError)):
         error = NetdistNetworkError(str(exc))
     elif isinstance(exc, (NetdistTimeoutError, TimeoutError)):
-        error = NetdistTimeout(str(exc) or "the operation timed out")
+        # torch users (and torch's own tests) look for "Timed out" in Gloo's words
+        error = NetdistTimeout(f"[netdist] Timed out ({exc})" if "monitoredBarrier" not in
+                               str(exc) else str(exc))
     elif isinstance(exc, NetdistError):
         error = NetdistDistError(str(exc))
     else:
