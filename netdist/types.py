@@ -253,7 +253,8 @@ def reduce_into(op: ReduceOp, acc: np.ndarray, incoming: np.ndarray) -> None:
     if acc.dtype.kind == "V":  # the only wire dtype of kind V is bfloat16
         _bf16_binary(op, acc, incoming, acc)
         return
-    _BINARY_UFUNC[op](acc, incoming, out=acc)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN silently, as torch
+        _BINARY_UFUNC[op](acc, incoming, out=acc)
 
 
 def combine(op: ReduceOp, low: np.ndarray, high: np.ndarray, out: np.ndarray) -> None:
@@ -261,7 +262,8 @@ def combine(op: ReduceOp, low: np.ndarray, high: np.ndarray, out: np.ndarray) ->
     if out.dtype.kind == "V":
         _bf16_binary(op, low, high, out)
         return
-    _BINARY_UFUNC[op](low, high, out=out)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN silently, as torch
+        _BINARY_UFUNC[op](low, high, out=out)
 
 
 def divide_into(array: np.ndarray, divisor: int) -> None:

@@ -40,3 +40,36 @@ def test_cpu_budget_runs_and_checks_its_result() -> None:
     lines = [line.split() for line in done.stdout.splitlines()]
     ranks = sorted(int(parts[0]) for parts in lines if len(parts) == 6 and parts[0].isdigit())
     assert ranks == [0, 1]
+
+
+def test_torch_ddp_quick_runs_both_backends(tmp_path: Path) -> None:
+    """torch_ddp.py --quick: a tiny DDP model and all_reduce through both backends end to
+    end (2 ranks each), the table and the JSON carry netdist and gloo side by side, and
+    the 2-rank DDP losses are bitwise equal (no timing is asserted)."""
+    import json
+
+    pytest.importorskip("torch")
+    out = tmp_path / "torch_ddp.json"
+    done = _run([str(REPO / "benchmarks" / "torch_ddp.py"), "--quick", "--json", str(out)],
+                 timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = [line.split() for line in done.stdout.splitlines()]
+    ddp_rows = [row[2] for row in table if len(row) > 2 and row[0] == "2"
+                and row[2] in ("netdist", "gloo")]
+    assert ddp_rows == ["netdist", "gloo"]
+    assert "# ranks   size      gloo time   netdist time" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["labels"] == ["netdist", "gloo"] and result["quick"] is True
+    assert result["failed_jobs"] == []
+    (ddp,) = result["ddp"]
+    assert ddp["world_size"] == 2 and ddp["rounds"] == 1 and ddp["losses_equal"] is True
+    for backend in ("netdist", "gloo"):
+        assert ddp[backend]["step"] > 0 and ddp[backend]["compute"] > 0
+    assert [(row["world_size"], row["size"]) for row in result["all_reduce"]] == [
+        (2, 8), (2, 1024 * 1024)]
+    for row in result["all_reduce"]:
+        assert row["netdist"]["time"] > 0 and row["gloo"]["time"] > 0
+    names = [target["name"] for target in result["targets"]]
+    assert names == ["DDP step time, 2 ranks: netdist / gloo <= 0.8",
+                     "all_reduce 8 B latency, 2 ranks: netdist / gloo <= 0.5"]
+    assert sum(line.startswith(("PASS  ", "MISS  ")) for line in done.stdout.splitlines()) == 2

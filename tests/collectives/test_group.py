@@ -137,6 +137,17 @@ async def test_all_reduce_bitwise_ops(n: int, algo: str) -> None:
         np.testing.assert_array_equal(res[ReduceOp.BXOR], np.bitwise_xor.reduce(data))
 
 
+@pytest.mark.parametrize("algo", ALGOS)
+async def test_float_overflow_gives_inf_without_a_warning(algo: str) -> None:
+    """As torch and Gloo do: a sum past float32's range is inf, not a RuntimeWarning
+    (which pytest, and any program running with -W error, turns into a failure)."""
+    async def body(g: Group) -> np.ndarray:
+        return await g.all_reduce(np.full(64, 3e38, np.float32), timeout=5)
+
+    for result in await run_inprocess(2, body, small_message_bytes=ALGOS[algo], segment_bytes=64):
+        assert np.isinf(result).all() and (result > 0).all()
+
+
 async def test_bitwise_ops_refuse_floats() -> None:
     async def body(g: Group) -> None:
         with pytest.raises(TypeError, match="BXOR needs an integer or bool dtype, got float32"):
