@@ -41,7 +41,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from netdist.errors import NetdistTimeoutError, TransportClosedError
-from netdist.progress.loops import LoopFactory, default_loop_factory
+from netdist.progress.loops import LoopFactory, progress_loop_factory
 
 __all__ = ["ProgressThread", "wait_future", "DEFAULT_LINGER"]
 
@@ -110,7 +110,7 @@ class ProgressThread:
 
     def _main(self) -> None:
         try:
-            factory = self._loop_factory or default_loop_factory()
+            factory = self._loop_factory or progress_loop_factory()
             loop = factory() if factory is not None else asyncio.new_event_loop()
         except BaseException as exc:  # noqa: BLE001 - reported to start()'s caller
             self._startup_error = exc

@@ -37,6 +37,21 @@ def test_a_thread_starts_runs_work_and_is_joined_on_close() -> None:
         progress.submit(loop_running())
 
 
+@pytest.mark.parametrize(("choice", "expected"), [(None, "asyncio"), ("auto", "asyncio"),
+                                                  ("asyncio", "asyncio"), ("uvloop", "uvloop")])
+def test_the_progress_thread_runs_the_standard_loop_unless_told(
+        monkeypatch: pytest.MonkeyPatch, choice: str | None, expected: str) -> None:
+    """Callers drive the progress loop from the main thread, where uvloop sets up its
+    signal wake-up on every run (netdist.progress.loops): the standard loop by default."""
+    if choice is None:
+        monkeypatch.delenv("NETDIST_EVENT_LOOP", raising=False)
+    else:
+        monkeypatch.setenv("NETDIST_EVENT_LOOP", choice)
+    with ProgressThread() as progress:
+        module = type(progress.loop).__module__
+    assert module.startswith("uvloop") == (expected == "uvloop"), module
+
+
 def test_close_cancels_work_still_running() -> None:
     progress = ProgressThread().start()
     started = threading.Event()
