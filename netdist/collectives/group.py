@@ -195,6 +195,20 @@ def _check_array(array: Any, what: str, *, writeable: bool = False) -> np.ndarra
     return array
 
 
+def _tensor_io(array: Any, out: Any, what: str
+               ) -> tuple[np.ndarray, bool, np.ndarray | None, Any]:
+    """``(array, wrap, out, staged)``: NumPy views of a tensor input (``wrap``: return a
+    tensor) and of a tensor ``out=`` (``staged`` copies a non-contiguous one back)."""
+    wrap = False
+    if not isinstance(array, np.ndarray):
+        array, wrap = as_array(array, what), True
+    staged = None
+    if out is not None and not isinstance(out, np.ndarray):
+        staged = stage_out(out, f"{what} out=")
+        out = staged.array
+    return array, wrap, out, staged
+
+
 def _timeout_value(timeout: float | None, what: str) -> float | None:
     if timeout is None:
         return None
@@ -542,13 +556,7 @@ class Group:
         """
         self._check_member("reduce_scatter")
         op = _as_op(op)
-        wrap = False
-        if not isinstance(array, np.ndarray):
-            array, wrap = as_array(array, "reduce_scatter"), True
-        staged = None
-        if out is not None and not isinstance(out, np.ndarray):
-            staged = stage_out(out, "reduce_scatter out=")
-            out = staged.array
+        array, wrap, out, staged = _tensor_io(array, out, "reduce_scatter")
         _check_array(array, "reduce_scatter")
         check_reduce_dtype(op, array.dtype, "reduce_scatter")
         _, flat = self._flat(array)
@@ -604,13 +612,7 @@ class Group:
         result.
         """
         self._check_member("all_gather")
-        wrap = False
-        if not isinstance(shard, np.ndarray):
-            shard, wrap = as_array(shard, "all_gather"), True
-        staged = None
-        if out is not None and not isinstance(out, np.ndarray):
-            staged = stage_out(out, "all_gather out=")
-            out = staged.array
+        shard, wrap, out, staged = _tensor_io(shard, out, "all_gather")
         _check_array(shard, "all_gather")
         mine = shard.reshape(1) if shard.ndim == 0 else shard
         mine = mine if mine.flags.c_contiguous else np.ascontiguousarray(mine)
