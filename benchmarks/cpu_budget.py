@@ -15,6 +15,10 @@ and every byte costs a copy into and out of the kernel. The same script run with
 no reductions) and prints the kernel time per GB moved for both, so the transport's own
 kernel overhead can be compared with the socket floor.
 
+Each run measures both data paths, one after the other: ``shm`` (ranks on one host move
+payloads through shared memory; TCP only signals) and ``tcp`` (``NETDIST_SHM=0``), and
+prints the kernel's share of each rank's CPU for both.
+
     python benchmarks/cpu_budget.py --nprocs 4 --size 64M --iters 8
     python benchmarks/cpu_budget.py --nprocs 2 --size 64M --iters 8 --raw
 
@@ -61,6 +65,7 @@ def _worker(spec: dict) -> None:
             after = resource.getrusage(resource.RUSAGE_SELF)
             expected = float(n)
             row = {"rank": transport.rank, "wall_s": wall,
+                   "mode": group.local_mode.value if group.local_mode else "none",
                    "user_s": (after.ru_utime - before.ru_utime) / spec["iters"],
                    "sys_s": (after.ru_stime - before.ru_stime) / spec["iters"],
                    "correct": bool(data[0] == expected and data[-1] == expected)}
@@ -79,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--raw", action="store_true",
                         help="also measure a raw socket ring moving the same bytes")
+    parser.add_argument("--paths", default="shm,tcp",
+                        help="data paths to measure, in order: shm (default) and tcp")
     parser.add_argument("--child-timeout", type=float, default=600.0)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -94,42 +101,26 @@ def main(argv: list[str] | None = None) -> int:
 
     size = parse_size(args.size)
     n, cores = args.nprocs, available_cpus()
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = {"size": size, "iters": args.iters, "out": os.path.join(tmp, "rows.json")}
-        spec_path = os.path.join(tmp, "spec.json")
-        with open(spec_path, "w", encoding="utf-8") as fh:
-            json.dump(spec, fh)
-        code = launch([sys.executable, HERE, "--worker", spec_path], n,
-                      timeout=args.child_timeout, env={"PYTHONPATH": REPO})
-        if code != 0 or not os.path.exists(spec["out"]):
-            print(f"cpu_budget: workers failed (exit {code})", file=sys.stderr)
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if set(paths) - {"shm", "tcp"}:
+        parser.error("--paths takes shm and/or tcp")
+    for path in paths:
+        with tempfile.TemporaryDirectory() as tmp:
+            spec = {"size": size, "iters": args.iters, "out": os.path.join(tmp, "rows.json")}
+            spec_path = os.path.join(tmp, "spec.json")
+            with open(spec_path, "w", encoding="utf-8") as fh:
+                json.dump(spec, fh)
+            code = launch([sys.executable, HERE, "--worker", spec_path], n,
+                          timeout=args.child_timeout,
+                          env={"PYTHONPATH": REPO,
+                               "NETDIST_SHM": "1" if path == "shm" else "0"})
+            if code != 0 or not os.path.exists(spec["out"]):
+                print(f"cpu_budget: workers failed (exit {code})", file=sys.stderr)
+                return 1
+            with open(spec["out"], encoding="utf-8") as fh:
+                rows = json.load(fh)
+        if not _report(rows, path, size, n, cores, args.iters):
             return 1
-        with open(spec["out"], encoding="utf-8") as fh:
-            rows = json.load(fh)
-    moved_gb = 2 * 2 * (n - 1) / n * size / 1e9  # sent + received per rank per op
-    print(f"all_reduce {size / 2**20:g} MiB float32, {n} ranks on {cores} CPUs, "
-          f"{args.iters} ops (per op):")
-    print(f"  {'rank':>4} {'wall ms':>9} {'user ms':>9} {'sys ms':>9} {'CPU share':>10} "
-          f"{'sys ms/GB moved':>16}")
-    for row in rows:
-        cpu = row["user_s"] + row["sys_s"]
-        print(f"  {row['rank']:>4} {row['wall_s'] * 1e3:9.1f} {row['user_s'] * 1e3:9.1f} "
-              f"{row['sys_s'] * 1e3:9.1f} {cpu / row['wall_s']:10.0%} "
-              f"{row['sys_s'] * 1e3 / moved_gb:16.0f}")
-    wall = max(row["wall_s"] for row in rows)
-    total_cpu = sum(row["user_s"] + row["sys_s"] for row in rows)
-    total_sys = sum(row["sys_s"] for row in rows)
-    busbw = 2 * (n - 1) / n * size / 1e9
-    print(f"  measured busbw {busbw / wall:.3f} GB/s; all ranks together used "
-          f"{total_cpu / wall:.2f} of {cores} CPUs")
-    if n > cores:
-        floor = total_cpu / cores
-        print(f"  CPU bound: wall >= total CPU / cores = {floor * 1e3:.1f} ms -> busbw <= "
-              f"{busbw / floor:.3f} GB/s; the kernel's share alone allows <= "
-              f"{busbw / (total_sys / cores):.3f} GB/s")
-    if not all(row["correct"] for row in rows):
-        print("  RESULT INCORRECT", file=sys.stderr)
-        return 1
     if args.raw:
         sys.path.insert(0, os.path.dirname(HERE))
         from compare_gloo import _raw_ring_ceiling
@@ -138,6 +129,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  raw socket ring, same bytes: {rate:.3f} GB/s per link; kernel "
               f"{sys_per_gb * 1e3:.0f} ms per GB moved (rank 0)")
     return 0
+
+
+def _report(rows: list[dict], path: str, size: int, n: int, cores: int, iters: int) -> bool:
+    moved_gb = 2 * 2 * (n - 1) / n * size / 1e9  # sent + received per rank per op
+    print(f"all_reduce {size / 2**20:g} MiB float32, {n} ranks on {cores} CPUs, "
+          f"{iters} ops (per op), data path {path} (group mode {rows[0]['mode']}):")
+    print(f"  {'rank':>4} {'wall ms':>9} {'user ms':>9} {'sys ms':>9} {'CPU share':>10} "
+          f"{'kernel share':>13} {'sys ms/GB moved':>16}")
+    for row in rows:
+        cpu = row["user_s"] + row["sys_s"]
+        print(f"  {row['rank']:>4} {row['wall_s'] * 1e3:9.1f} {row['user_s'] * 1e3:9.1f} "
+              f"{row['sys_s'] * 1e3:9.1f} {cpu / row['wall_s']:10.0%} "
+              f"{row['sys_s'] / cpu if cpu else 0:13.0%} "
+              f"{row['sys_s'] * 1e3 / moved_gb:16.0f}")
+    wall = max(row["wall_s"] for row in rows)
+    total_cpu = sum(row["user_s"] + row["sys_s"] for row in rows)
+    total_sys = sum(row["sys_s"] for row in rows)
+    busbw = 2 * (n - 1) / n * size / 1e9
+    print(f"  measured busbw {busbw / wall:.3f} GB/s; all ranks together used "
+          f"{total_cpu / wall:.2f} of {cores} CPUs, {total_sys / total_cpu:.0%} of it "
+          "in the kernel")
+    if n > cores:
+        floor = total_cpu / cores
+        print(f"  CPU bound: wall >= total CPU / cores = {floor * 1e3:.1f} ms -> busbw <= "
+              f"{busbw / floor:.3f} GB/s; the kernel's share alone allows <= "
+              f"{busbw / max(total_sys / cores, 1e-9):.3f} GB/s")
+    if not all(row["correct"] for row in rows):
+        print("  RESULT INCORRECT", file=sys.stderr)
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ the transport boundary and never escape to callers.
     │   │   └── AuthenticationError         handshake refused (token, job id, version, rank)
     │   ├── PeerLostError                   a connected peer went away (EOF, reset, heartbeats,
     │   │                                   BYE); ``origin_rank`` names who went away first
-    │   └── TransportClosedError            the local transport was closed
+    │   ├── TransportClosedError            the local transport was closed
+    │   └── SharedMemoryError               a same-host shared-memory segment could not be
+    │                                       made or attached (the group falls back to TCP)
     ├── NetdistTimeoutError (TimeoutError)  a bounded wait expired
     │   └── RendezvousTimeoutError          ranks never arrived at the coordinator
     ├── RendezvousError                     duplicate ranks, world-size mismatch
@@ -47,6 +49,7 @@ __all__ = [
     "AuthenticationError",
     "PeerLostError",
     "TransportClosedError",
+    "SharedMemoryError",
     "NetdistTimeoutError",
     "RendezvousTimeoutError",
     "RendezvousError",
@@ -141,6 +144,10 @@ class PeerLostError(TransportError):
 
 class TransportClosedError(TransportError):
     """The local transport was closed while (or before) the operation ran."""
+
+
+class SharedMemoryError(TransportError):
+    """A shared-memory segment between ranks on one host could not be created or attached."""
 
 
 class NetdistTimeoutError(NetdistError, TimeoutError):

@@ -30,6 +30,7 @@ from netdist.errors import (
     RemoteProtocolError,
     RendezvousError,
     RendezvousTimeoutError,
+    SharedMemoryError,
     TransportClosedError,
     TransportError,
 )
@@ -47,6 +48,7 @@ TREE = {
     AuthenticationError: (ConnectError, TransportError),
     PeerLostError: (TransportError,),
     TransportClosedError: (TransportError,),
+    SharedMemoryError: (TransportError,),
     NetdistTimeoutError: (NetdistError, TimeoutError, OSError),
     RendezvousTimeoutError: (NetdistTimeoutError, TimeoutError),
     RendezvousError: (NetdistError,),

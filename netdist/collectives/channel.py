@@ -103,6 +103,13 @@ class Channel:
         return Channel(self.transport, self.ranks, self.rank, self.tag + sub_tag,
                        self.timeout, self.op, self._plans, self._scratch)
 
+    def subset(self, members: tuple[int, ...], sub_tag: int) -> Channel:
+        """A channel among some of this channel's group ranks (``members``, which include
+        this rank), on ``tag + sub_tag``: one phase of a hierarchical collective."""
+        return Channel(self.transport, tuple(self.ranks[m] for m in members),
+                       members.index(self.rank), self.tag + sub_tag, self.timeout, self.op,
+                       self._plans, self._scratch)
+
     @property
     def world_size(self) -> int:
         return len(self.ranks)

@@ -81,6 +81,14 @@ import msgpack
 import numpy as np
 
 from netdist.collectives.channel import Channel, CollectiveMismatchError, ScratchPool
+from netdist.collectives.hosts import LocalMode
+from netdist.collectives.local import (
+    DEFAULT_SLOT_BYTES,
+    HostArena,
+    HostPath,
+    host_all_reduce,
+    host_broadcast,
+)
 from netdist.collectives.objects import decode_object, encode_object
 from netdist.collectives.ring import (
     DEFAULT_DEPTH,
@@ -114,6 +122,7 @@ from netdist.errors import (
 )
 from netdist.sharding import chunk_bounds
 from netdist.transport.base import Transport
+from netdist.transport.shm import shared_memory_enabled
 from netdist.tensors import as_array, as_arrays, is_tensor, numpy_result, stage_out, to_tensor
 from netdist.types import (
     CARRIED_DTYPES,
@@ -237,7 +246,9 @@ class Group:
     def __init__(self, transport: Transport, timeout: float | None = None, *,
                  small_message_bytes: int = DEFAULT_SMALL_MESSAGE_BYTES,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                 pipeline_depth: int = DEFAULT_DEPTH) -> None:
+                 pipeline_depth: int = DEFAULT_DEPTH,
+                 shared_memory: bool | None = None,
+                 shm_slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"Group needs a Transport, got {type(transport).__name__}")
         if not isinstance(small_message_bytes, int) or small_message_bytes < 0:
@@ -246,14 +257,18 @@ class Group:
             raise ValueError(f"segment_bytes must be an int >= 1, got {segment_bytes!r}")
         if not isinstance(pipeline_depth, int) or pipeline_depth < 1:
             raise ValueError(f"pipeline_depth must be an int >= 1, got {pipeline_depth!r}")
+        if not isinstance(shm_slot_bytes, int) or shm_slot_bytes < 4096:
+            raise ValueError(f"shm_slot_bytes must be an int >= 4096, got {shm_slot_bytes!r}")
         timeout = _timeout_value(timeout, "timeout")
         self._setup(transport, tuple(range(transport.world_size)),
                     _group_id("root", transport.next_root_group()),
                     _transport_timeout(transport) if timeout is None else timeout,
-                    small_message_bytes, segment_bytes, pipeline_depth)
+                    small_message_bytes, segment_bytes, pipeline_depth,
+                    shared_memory_enabled(shared_memory), -(-shm_slot_bytes // 64) * 64)
 
     def _setup(self, transport: Transport, ranks: tuple[int, ...], gid: int, timeout: float,
-               small_message_bytes: int, segment_bytes: int, pipeline_depth: int) -> None:
+               small_message_bytes: int, segment_bytes: int, pipeline_depth: int,
+               shared_memory: bool, shm_slot_bytes: int) -> None:
         self._transport = transport
         self._ranks = ranks
         self._rank = ranks.index(transport.rank) if transport.rank in ranks else -1
@@ -266,6 +281,9 @@ class Group:
         """Largest pipeline segment of the ring and chain algorithms."""
         self.pipeline_depth = pipeline_depth
         """Scratch segments the in-place ring all-reduce rotates through."""
+        self.shared_memory = shared_memory
+        """Whether this rank offers shared memory to ranks on its host (all must)."""
+        self._host_path = HostPath(shared_memory, shm_slot_bytes)
         self._seq = 0
         self._plans: dict[tuple[Any, ...], Any] = {}
         self._scratch = ScratchPool()
@@ -353,7 +371,8 @@ class Group:
         child = Group.__new__(Group)
         child._setup(self._transport, tuple(self._ranks[r] for r in members), gid,
                      self._timeout,
-                     self.small_message_bytes, self.segment_bytes, self.pipeline_depth)
+                     self.small_message_bytes, self.segment_bytes, self.pipeline_depth,
+                     self.shared_memory, self._host_path.slot_bytes)
         self._subgroups.append(child)
         return child
 
@@ -371,6 +390,7 @@ class Group:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._scratch.clear()
+        self._host_path.close()
 
     def close(self) -> None:
         """Cancel outstanding work without waiting (prefer ``aclose``)."""
@@ -507,6 +527,21 @@ class Group:
         seg = min(largest, max(min(MIN_SEGMENT_BYTES, largest), nbytes // pieces))
         return max(1, seg // max(1, dtype.itemsize))
 
+    def _ticket(self, nbytes: int) -> int | None:
+        """A turn on the same-host path for a collective of ``nbytes`` (``None``: too small
+        to gain from shared memory, or a group of one). Taken at issue, in issue order."""
+        if self.world_size < 2 or nbytes <= self.small_message_bytes:
+            return None
+        return self._host_path.ticket()
+
+    @property
+    def local_mode(self) -> LocalMode | None:
+        """How large collectives move data (``None`` until the first one has run)."""
+        layout = self._host_path.layout
+        if layout is None:
+            return None
+        return LocalMode.TCP if self._host_path.arena is None else layout.mode
+
     # -- collectives ---------------------------------------------------------------------
 
     async def all_reduce(self, array: np.ndarray | Tensor, op: ReduceOp | str = ReduceOp.SUM, *,
@@ -525,18 +560,24 @@ class Group:
         check_reduce_dtype(op, array.dtype, "all_reduce")
         work, flat = self._flat(array)
         n = self.world_size
+        ticket = self._ticket(flat.nbytes)
 
         async def body(chan: Channel) -> Any:
             if n > 1 and flat.size:
                 mean = op is ReduceOp.MEAN
-                if flat.nbytes <= self.small_message_bytes:
+                segment = self._segment(flat.dtype, flat.nbytes // n, PIECES)
+                if ticket is None:
                     await doubling_all_reduce(chan, flat, op)
                     if mean:
                         divide_into(flat, n)
                 else:
-                    await ring_all_reduce(chan, flat, op,
-                                          self._segment(flat.dtype, flat.nbytes // n, PIECES),
-                                          self.pipeline_depth, divisor=n if mean else None)
+                    async with self._host_path.turn(chan, ticket) as arena:
+                        if arena is not None:
+                            await host_all_reduce(chan, arena, flat, op, mean, segment,
+                                                  self.pipeline_depth)
+                        else:
+                            await ring_all_reduce(chan, flat, op, segment, self.pipeline_depth,
+                                                  divisor=n if mean else None)
             if work is not array:
                 array[...] = work
             return array if tensor is None else tensor
@@ -578,17 +619,24 @@ class Group:
                 raise ValueError("reduce_scatter: out= must be C-contiguous")
             result = out
         out_flat = result.reshape(-1)
+        ticket = self._ticket(flat.nbytes)
 
         async def body(chan: Channel) -> np.ndarray:
             if n == 1 or flat.size == 0:
                 out_flat[...] = flat[lo:hi]
-            elif flat.nbytes <= self.small_message_bytes:
+            elif ticket is None:
                 scratch = flat.copy()
                 await doubling_all_reduce(chan, scratch, op)
                 out_flat[...] = scratch[lo:hi]
             else:
-                await ring_reduce_scatter(chan, flat, op, out_flat,
-                                          self._segment(flat.dtype, flat.nbytes // n, PIECES))
+                async with self._host_path.turn(chan, ticket) as arena:
+                    if arena is not None and arena.layout.mode is LocalMode.SINGLE_HOST:
+                        await arena.reduce_scatter(chan, flat, op, chunk_bounds(flat.size, n),
+                                                   out_flat, None)
+                    else:
+                        await ring_reduce_scatter(
+                            chan, flat, op, out_flat,
+                            self._segment(flat.dtype, flat.nbytes // n, PIECES))
             if op is ReduceOp.MEAN and n > 1:
                 divide_into(out_flat, n)
             if staged is not None:
@@ -636,8 +684,16 @@ class Group:
                     f"all_gather: out= has {out.shape[0]} rows, so group rank {self._rank} "
                     f"must contribute {rows[self._rank]} rows (chunk_bounds over {n} ranks) "
                     f"but its shard has {mine.shape[0]}")
+        # without out= the total size is only known after the shape exchange
+        ticket = self._ticket(2**63 if out is None else out.nbytes)
 
         async def body(chan: Channel) -> np.ndarray:
+            if ticket is None:
+                return await gather(chan)
+            async with self._host_path.turn(chan, ticket) as arena:
+                return await gather(chan, arena)
+
+        async def gather(chan: Channel, arena: HostArena | None = None) -> np.ndarray:
             if out is None:
                 sizes = await self._exchange_shapes(chan, mine)
                 result = np.empty((sum(sizes), *trailing), mine.dtype)
@@ -652,7 +708,10 @@ class Group:
             if n > 1 and out_flat.size:
                 data = chan.derive(1)
                 try:
-                    if out_flat.nbytes <= self.small_message_bytes:
+                    if (arena is not None and arena.layout.mode is LocalMode.SINGLE_HOST
+                            and out_flat.nbytes > self.small_message_bytes):
+                        await arena.all_gather(chan, out_flat, chunks)
+                    elif out_flat.nbytes <= self.small_message_bytes:
                         await bruck_all_gather(data, out_flat, chunks)
                     else:
                         await ring_all_gather(data, out_flat, chunks,
@@ -693,16 +752,24 @@ class Group:
             tensor, array = array, as_array(array, "broadcast", writeable=True)
         _check_array(array, "broadcast", writeable=True)
         work, flat = self._flat(array)
+        ticket = self._ticket(flat.nbytes)
 
         async def body(chan: Channel) -> Any:
             if self.world_size > 1 and flat.size:
-                if flat.nbytes <= self.small_message_bytes:
+                if ticket is None:
                     await tree_broadcast(chan, flat, src)
-                else:
-                    # a chain of two has nothing to overlap: one message is cheapest
-                    segment = (flat.size if self.world_size == 2 else
-                               self._segment(flat.dtype, flat.nbytes, 2 * PIECES))
-                    await chain_broadcast(chan, flat, src, segment)
+                    return finish()
+                # a chain of two has nothing to overlap: one message is cheapest
+                segment = (flat.size if self.world_size == 2 else
+                           self._segment(flat.dtype, flat.nbytes, 2 * PIECES))
+                async with self._host_path.turn(chan, ticket) as arena:
+                    if arena is not None:
+                        await host_broadcast(chan, arena, flat, src, segment)
+                    else:
+                        await chain_broadcast(chan, flat, src, segment)
+            return finish()
+
+        def finish() -> Any:
             if work is not array:
                 array[...] = work
             return array if tensor is None else tensor

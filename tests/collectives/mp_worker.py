@@ -8,6 +8,11 @@ Modes (first argument):
 - ``kill VICTIM``: a large ring all_reduce; rank VICTIM SIGKILLs itself after sending a
   few segments. Survivors print ``ERROR <type>: <message>`` and exit 3 (or exit 0 with
   ``UNEXPECTED success``).
+- ``shmkill VICTIM``: one large all_reduce through shared memory (which sets it up), then
+  a second in which rank VICTIM SIGKILLs itself after a few signals, mid-round; survivors
+  report as for ``kill``.
+
+Every mode prints ``MODE <local mode>`` after its first large collective.
 """
 
 from __future__ import annotations
@@ -41,6 +46,12 @@ async def check() -> None:
                 await g.all_reduce(arr)
                 if not np.array_equal(arr, (np.arange(100_003) % 1000) * (n * (n + 1) // 2)):
                     _fail(f"all_reduce threshold={threshold}")
+                if threshold == 0:
+                    print(f"MODE {g.local_mode.value if g.local_mode else None}", flush=True)
+                mean = np.full(100_003, 1.0 + r, np.float64)
+                await g.all_reduce(mean, ReduceOp.MEAN)
+                if not np.array_equal(mean, np.full(100_003, (n + 1) / 2)):
+                    _fail(f"all_reduce MEAN threshold={threshold}")
                 flt = np.full(70_000, 0.25 * (r + 1), np.float32)
                 await g.all_reduce(flt, ReduceOp.MAX)
                 if not np.array_equal(flt, np.full(70_000, 0.25 * n, np.float32)):
@@ -95,12 +106,41 @@ async def kill(victim: int) -> None:
         print("UNEXPECTED success", flush=True)
 
 
+async def shmkill(victim: int) -> None:
+    async with init() as transport:
+        g = Group(transport, small_message_bytes=0, shm_slot_bytes=64 * 1024)
+        await g.all_reduce(np.ones(1 << 20, np.float32), timeout=30)
+        print(f"MODE {g.local_mode.value if g.local_mode else None}", flush=True)
+        if transport.rank == victim:
+            original = transport.send
+            sent = 0
+
+            async def send(dst: int, data: Any, **kwargs: Any) -> None:
+                nonlocal sent
+                sent += 1
+                if sent > 7:  # a few rounds in, then die without any goodbye
+                    os.kill(os.getpid(), signal.SIGKILL)
+                await original(dst, data, **kwargs)
+
+            transport.send = send  # type: ignore[method-assign]
+        print(f"READY rank {transport.rank}", flush=True)
+        try:
+            await g.all_reduce(np.ones(8 * 1024 * 1024, np.float32),
+                               timeout=float(os.environ["MP_OP_TIMEOUT"]))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            print(f"ERROR {type(exc).__name__}: {exc}", flush=True)
+            raise SystemExit(3) from None
+        print("UNEXPECTED success", flush=True)
+
+
 def main() -> None:
     mode = sys.argv[1]
     if mode == "check":
         asyncio.run(check())
     elif mode == "kill":
         asyncio.run(kill(int(sys.argv[2])))
+    elif mode == "shmkill":
+        asyncio.run(shmkill(int(sys.argv[2])))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

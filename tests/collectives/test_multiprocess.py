@@ -28,7 +28,8 @@ def _free_port() -> int:
 
 def _env(rank: int, n: int, port: int, token: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("NETDIST_") and k not in ("RANK", "WORLD_SIZE")}
+           if (not k.startswith("NETDIST_") or k == "NETDIST_SHM")
+           and k not in ("RANK", "WORLD_SIZE")}
     env.update(NETDIST_RANK=str(rank), NETDIST_WORLD_SIZE=str(n),
                NETDIST_COORDINATOR=f"127.0.0.1:{port}", NETDIST_TOKEN=token,
                NETDIST_JOB_ID=f"coll-{token[:6]}", NETDIST_TIMEOUT="30",
@@ -36,12 +37,24 @@ def _env(rank: int, n: int, port: int, token: str, **extra: str) -> dict[str, st
     return env
 
 
-def _spawn(n: int, args: list[str], **extra: str) -> list[subprocess.Popen[str]]:
+def _spawn(n: int, args: list[str], hosts: int = 1,
+           **extra: str) -> list[subprocess.Popen[str]]:
+    """``n`` ranks; with ``hosts`` > 1 they pretend to be on that many hosts
+    (``NETDIST_HOST_ID``), consecutive ranks together."""
     port, token = _free_port(), secrets.token_hex(16)
-    return [subprocess.Popen([sys.executable, "-m", "tests.collectives.mp_worker", *args],
-                             cwd=REPO, env=_env(rank, n, port, token, **extra),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for rank in range(n)]
+    per_host = -(-n // hosts)
+    return [subprocess.Popen(
+        [sys.executable, "-m", "tests.collectives.mp_worker", *args], cwd=REPO,
+        env=_env(rank, n, port, token, **extra,
+                 **({"NETDIST_HOST_ID": f"h{rank // per_host}"} if hosts > 1 else {})),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(n)]
+
+
+def _expected_mode(n: int, hosts: int = 1) -> str:
+    if os.environ.get("NETDIST_SHM", "1") == "0" or n // hosts < 2:
+        return "tcp"
+    return "single-host" if hosts == 1 else "hierarchical"
 
 
 def _collect(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str]]:
@@ -60,11 +73,13 @@ def _collect(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[i
     return results
 
 
-def test_four_processes_collectives_exact() -> None:
-    results = _collect(_spawn(4, ["check"]), timeout=120)
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_four_processes_collectives_exact(hosts: int) -> None:
+    results = _collect(_spawn(4, ["check"], hosts=hosts), timeout=120)
     for rank, (code, out) in enumerate(results):
         assert code == 0, f"rank {rank} failed:\n{out}"
         assert f"OK rank {rank}" in out
+        assert f"MODE {_expected_mode(4, hosts)}" in out, out
 
 
 def test_four_processes_under_the_launcher() -> None:
@@ -91,3 +106,26 @@ def test_sigkill_mid_all_reduce_fails_every_survivor_within_timeout() -> None:
         assert ("PeerLostError" in error or "NetdistTimeoutError" in error), error
     # start-up takes a few seconds; the failure itself is bounded by the op timeout
     assert time.monotonic() - started < op_timeout + 45
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_sigkill_mid_shared_memory_all_reduce_fails_survivors_and_leaks_nothing() -> None:
+    n, victim, op_timeout = 4, 1, 8.0
+    before = _shm_entries()
+    results = _collect(_spawn(n, ["shmkill", str(victim)], MP_OP_TIMEOUT=str(op_timeout)),
+                       timeout=90)
+    code, out = results[victim]
+    assert code == -9, f"victim should have been SIGKILLed:\n{out}"
+    for rank, (code, out) in enumerate(results):
+        assert f"MODE {_expected_mode(n)}" in out, out
+        if rank == victim:
+            continue
+        assert code == 3, f"rank {rank} did not fail as expected ({code}):\n{out}"
+        error = next(line for line in out.splitlines() if line.startswith("ERROR"))
+        assert "all_reduce" in error and f"rank {victim}" in error, error
+        assert ("PeerLostError" in error or "NetdistTimeoutError" in error), error
+    # every process of the job has exited: nothing of it is left in /dev/shm
+    assert _shm_entries() - before == set()

@@ -324,9 +324,12 @@ def in_order(xs: list[torch.Tensor], order: list[int], op: ReduceOp) -> torch.Te
     return acc
 
 
-def expected_all_reduce(xs: list[torch.Tensor], op: ReduceOp, algo: str) -> torch.Tensor:
+def expected_all_reduce(xs: list[torch.Tensor], op: ReduceOp, algo: str,
+                        data_path: str = "tcp") -> torch.Tensor:
+    """The ring reduces chunk ``c`` along ``c+1, ..., c``; recursive doubling and the
+    shared-memory path reduce lowest rank first."""
     n = len(xs)
-    if algo == "small" or n == 2:
+    if algo == "small" or n == 2 or data_path == "shm":
         return in_order(xs, list(range(n)), op)
     out = torch.empty_like(xs[0])
     for c, (a, b) in enumerate(chunk_bounds(SIZE, n)):
@@ -357,7 +360,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("n", [2, 3])
 async def test_all_reduce_matches_torch_bitwise(n: int, algo: str, dtype: str,
-                                                op: ReduceOp) -> None:
+                                                op: ReduceOp, data_path: str) -> None:
     dt = DTYPES[dtype]
 
     async def body(g: Group) -> torch.Tensor:
@@ -366,7 +369,7 @@ async def test_all_reduce_matches_torch_bitwise(n: int, algo: str, dtype: str,
         return t
 
     results = await run(n, algo, body)
-    expected = expected_all_reduce([floats(r, dt) for r in range(n)], op, algo)
+    expected = expected_all_reduce([floats(r, dt) for r in range(n)], op, algo, data_path)
     for t in results:
         assert_bitwise(t, expected)
 
@@ -376,14 +379,14 @@ async def test_all_reduce_matches_torch_bitwise(n: int, algo: str, dtype: str,
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("n", [2, 3])
 async def test_reduce_scatter_matches_torch_bitwise(n: int, algo: str, dtype: str,
-                                                    op: ReduceOp) -> None:
+                                                    op: ReduceOp, data_path: str) -> None:
     dt = DTYPES[dtype]
 
     async def body(g: Group) -> torch.Tensor:
         return await g.reduce_scatter(floats(g.rank, dt), op, timeout=5)
 
     results = await run(n, algo, body)
-    expected = expected_all_reduce([floats(r, dt) for r in range(n)], op, algo)
+    expected = expected_all_reduce([floats(r, dt) for r in range(n)], op, algo, data_path)
     for r, t in enumerate(results):
         a, b = chunk_bounds(SIZE, n)[r]
         assert_bitwise(t, expected[a:b])
@@ -413,6 +416,7 @@ HIDE_ML_DTYPES = 'import sys\nsys.modules["ml_dtypes"] = None\n'
 
 NO_ML_DTYPES_SCRIPT = HIDE_ML_DTYPES + textwrap.dedent('''
     import asyncio
+    import os
     import torch
     from netdist.collectives import Group
     from netdist.sharding import chunk_bounds
@@ -457,9 +461,9 @@ NO_ML_DTYPES_SCRIPT = HIDE_ML_DTYPES + textwrap.dedent('''
                 results = await asyncio.gather(*(body(g, small) for g in groups))
                 for g in groups:
                     await g.aclose()
-            if small:
+            if small or os.environ.get("NETDIST_SHM") != "0":  # lowest rank first
                 ref = (xs[0] + xs[1]) + xs[2]
-            else:
+            else:  # the ring's chain order
                 ref = torch.empty(SIZE, dtype=torch.bfloat16)
                 for c, (a, b) in enumerate(chunk_bounds(SIZE, N)):
                     ref[a:b] = (xs[(c + 1) % N][a:b] + xs[(c + 2) % N][a:b]) + xs[c][a:b]

@@ -1,0 +1,402 @@
+"""Collectives among the ranks of one host, through a shared segment (``HostArena``).
+
+Payloads move through shared memory; TCP carries only one-byte signals between the
+host's ranks ("my input for round k is in my slot", "my part of round k is reduced").
+Each rank of the host owns one *slot* per round parity, and the host shares one *result*
+area per parity; two parities let round ``k + 1`` be written while round ``k`` is still
+being read. Every wait is a transport ``recv`` under the collective's deadline, so a
+lost or slow peer fails the operation exactly as it would over TCP.
+
+All-reduce, per round ``k`` (``L`` ranks on the host; the data cut into ``L`` chunks as
+the ring cuts it, and each chunk into rounds of ``slot_bytes / L``):
+
+1. every rank copies piece ``k`` of every chunk into its slot and signals ``in``;
+2. rank ``j`` folds piece ``k`` of chunk ``j`` over all slots, lowest rank first, into
+   the result area (so every rank ends with the same bits) and signals ``red``;
+3. every rank copies the whole result of round ``k`` out into its array.
+
+Each rank copies its data in once and out once, and reads ``1/L`` of everyone's input
+to reduce: no kernel copies, no socket buffers. Round ``k + 1``'s copy-in overlaps the
+wait for round ``k``'s reductions. Why two parities suffice: a rank writes its parity-p
+slot again (round ``k + 2``) only after everyone signalled ``red`` for round ``k``, and
+folds into the parity-p result only after everyone signalled ``in`` for round ``k + 2``,
+which each rank does after copying round ``k``'s result out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from netdist.collectives.channel import Channel
+from netdist.collectives.hosts import HostLayout, LocalMode
+from netdist.collectives.ring import chain_broadcast, ring_all_reduce
+from netdist.collectives.small import bruck_all_gather_blobs
+from netdist.errors import SharedMemoryError
+from netdist.sharding import chunk_bounds
+from netdist.transport.shm import SegmentLocator, SharedSegment, host_key
+from netdist.types import ReduceOp, combine, divide_into
+
+__all__ = ["HostArena", "HostPath", "open_host_arena", "host_all_reduce", "host_broadcast",
+           "DEFAULT_SLOT_BYTES", "SUB_TAGS"]
+
+logger = logging.getLogger("netdist.collectives")
+
+DEFAULT_SLOT_BYTES = 4 * 1024 * 1024
+"""Bytes each rank stages per round; the segment holds ``2 * (L + 1)`` of them."""
+
+SEGMENT_BUDGET = 64 * 1024 * 1024
+"""With many ranks on a host, slots shrink so a segment stays near this size."""
+
+_ALIGN = 64
+_SIGNAL = b"\x01"
+
+# sub-tags of the collective's tag (group.py reserves 0-7 for the TCP algorithms)
+_SUB_IN, _SUB_REDUCED, _SUB_GATHER_IN, _SUB_GATHER_DONE = 8, 9, 10, 11
+_SUB_SETUP, _SUB_LOCATE = 12, 13
+SUB_CROSS = 14
+"""Sub-tag of the across-hosts phase of a hierarchical collective."""
+SUB_TAGS = range(8, 15)
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    """Round ``k`` of ``chunks`` cut into pieces of at most ``piece`` elements."""
+
+    chunks: Sequence[tuple[int, int]]
+    piece: int
+
+    @property
+    def rounds(self) -> int:
+        longest = max(b - a for a, b in self.chunks)
+        return max(1, -(-longest // self.piece))
+
+    def of(self, k: int) -> list[tuple[int, int]]:
+        """``(start, stop)`` in the flat array of every chunk's piece in round ``k``."""
+        out = []
+        for a, b in self.chunks:
+            start = min(a + k * self.piece, b)
+            out.append((start, min(start + self.piece, b)))
+        return out
+
+
+class HostArena:
+    """The shared segment of one group's ranks on this host, and the collectives over it."""
+
+    def __init__(self, segment: SharedSegment, layout: HostLayout, slot_bytes: int) -> None:
+        self.segment = segment
+        self.layout = layout
+        self.slot_bytes = slot_bytes
+        self._peers = tuple(p for p in layout.local_ranks if p != layout.rank)
+
+    @staticmethod
+    def data_bytes(local_size: int, slot_bytes: int) -> int:
+        return 2 * (local_size + 1) * slot_bytes
+
+    @property
+    def local_size(self) -> int:
+        return len(self.layout.local_ranks)
+
+    def close(self) -> None:
+        self.segment.close()
+
+    # -- views ----------------------------------------------------------------------------
+
+    def _region(self, parity: int, index: int, dtype: np.dtype, count: int) -> np.ndarray:
+        offset = (parity * (self.local_size + 1) + index) * self.slot_bytes
+        return self.segment.array(offset, count * dtype.itemsize).view(dtype)
+
+    def slot(self, parity: int, local: int, dtype: np.dtype, count: int) -> np.ndarray:
+        return self._region(parity, local, dtype, count)
+
+    def result(self, parity: int, dtype: np.dtype, count: int) -> np.ndarray:
+        return self._region(parity, self.local_size, dtype, count)
+
+    # -- signals --------------------------------------------------------------------------
+
+    async def _signal(self, chan: Channel, sub: int, peers: Sequence[int] | None = None) -> None:
+        for peer in self._peers if peers is None else peers:
+            await chan.send(peer, _SIGNAL, sub)
+
+    async def _wait(self, chan: Channel, sub: int, peers: Sequence[int] | None = None) -> None:
+        for peer in self._peers if peers is None else peers:
+            await chan.recv(peer, sub=sub)
+
+    # -- algorithms -----------------------------------------------------------------------
+
+    def _pieces(self, flat: np.ndarray, chunks: Sequence[tuple[int, int]]) -> _Pieces:
+        return _Pieces(chunks, max(1, self.slot_bytes // (len(chunks) * flat.itemsize)))
+
+    def _copy_in(self, flat: np.ndarray, pieces: _Pieces, k: int) -> None:
+        slot = self.slot(k % 2, self.layout.local, flat.dtype, len(pieces.chunks) * pieces.piece)
+        for j, (a, b) in enumerate(pieces.of(k)):
+            slot[j * pieces.piece:j * pieces.piece + b - a] = flat[a:b]
+
+    def _fold(self, op: ReduceOp, dtype: np.dtype, pieces: _Pieces, k: int,
+              out: np.ndarray, divisor: int | None) -> None:
+        """``out`` = this rank's piece of round ``k`` folded over every slot, lowest first."""
+        j = self.layout.local
+        a, b = pieces.of(k)[j]
+        lo, hi = j * pieces.piece, j * pieces.piece + b - a
+        width = len(pieces.chunks) * pieces.piece
+        slots = [self.slot(k % 2, i, dtype, width)[lo:hi] for i in range(self.local_size)]
+        combine(op, slots[0], slots[1], out)
+        for other in slots[2:]:
+            combine(op, out, other, out)
+        if divisor is not None:
+            divide_into(out, divisor)
+
+    async def all_reduce(self, chan: Channel, flat: np.ndarray, op: ReduceOp,
+                         divisor: int | None) -> None:
+        """All-reduce ``flat`` in place among this host's ranks (see the module docstring)."""
+        n = self.local_size
+        pieces = self._pieces(flat, chunk_bounds(flat.size, n))
+        width = n * pieces.piece
+        j = self.layout.local
+        self._copy_in(flat, pieces, 0)
+        await self._signal(chan, _SUB_IN)
+        for k in range(pieces.rounds):
+            await self._wait(chan, _SUB_IN)
+            result = self.result(k % 2, flat.dtype, width)
+            self._fold(op, flat.dtype, pieces, k, result[j * pieces.piece:
+                       j * pieces.piece + _length(pieces.of(k)[j])], divisor)
+            await self._signal(chan, _SUB_REDUCED)
+            if k + 1 < pieces.rounds:
+                self._copy_in(flat, pieces, k + 1)
+                await self._signal(chan, _SUB_IN)
+            await self._wait(chan, _SUB_REDUCED)
+            for i, (a, b) in enumerate(pieces.of(k)):
+                flat[a:b] = result[i * pieces.piece:i * pieces.piece + b - a]
+
+    async def reduce_scatter(self, chan: Channel, flat: np.ndarray, op: ReduceOp,
+                             chunks: Sequence[tuple[int, int]], out: np.ndarray,
+                             divisor: int | None) -> None:
+        """Reduce ``flat`` among this host's ranks; local rank ``j`` gets chunk ``j`` in
+        ``out`` (which may be ``flat[chunk j]`` itself: each piece is staged before it is
+        overwritten)."""
+        pieces = self._pieces(flat, chunks)
+        lo = chunks[self.layout.local][0]
+        for k in range(pieces.rounds):
+            if k >= 2:  # parity k % 2 was last read in round k - 2
+                await self._wait(chan, _SUB_REDUCED)
+            self._copy_in(flat, pieces, k)
+            await self._signal(chan, _SUB_IN)
+            await self._wait(chan, _SUB_IN)
+            a, b = pieces.of(k)[self.layout.local]
+            self._fold(op, flat.dtype, pieces, k, out[a - lo:b - lo], divisor)
+            await self._signal(chan, _SUB_REDUCED)
+        for _ in range(min(2, pieces.rounds)):
+            await self._wait(chan, _SUB_REDUCED)
+
+    async def all_gather(self, chan: Channel, out_flat: np.ndarray,
+                         chunks: Sequence[tuple[int, int]]) -> None:
+        """Every local rank's chunk of ``out_flat`` (already in place on its owner) lands
+        in every local rank's ``out_flat``."""
+        me = self.layout.local
+        piece = max(1, self.slot_bytes // out_flat.itemsize)
+        pieces = _Pieces(chunks, piece)
+        for k in range(pieces.rounds):
+            if k >= 2:
+                await self._wait(chan, _SUB_GATHER_DONE)
+            a, b = pieces.of(k)[me]
+            self.slot(k % 2, me, out_flat.dtype, piece)[:b - a] = out_flat[a:b]
+            await self._signal(chan, _SUB_GATHER_IN)
+            await self._wait(chan, _SUB_GATHER_IN)
+            for i, (a, b) in enumerate(pieces.of(k)):
+                if i != me and b > a:
+                    out_flat[a:b] = self.slot(k % 2, i, out_flat.dtype, piece)[:b - a]
+            await self._signal(chan, _SUB_GATHER_DONE)
+        for _ in range(min(2, pieces.rounds)):
+            await self._wait(chan, _SUB_GATHER_DONE)
+
+    async def broadcast(self, chan: Channel, flat: np.ndarray, root: int) -> None:
+        """Copy ``flat`` of local rank ``root`` into every local rank's ``flat``: the root
+        stages each round once (in all slots of a parity at once), the others copy out.
+
+        The staging area spans the other ranks' slots, so the root releases everyone only
+        when all copies are out: no rank's next collective writes its slot earlier."""
+        me = self.layout.local
+        root_rank = self.layout.local_ranks[root]
+        piece = max(1, self.local_size * self.slot_bytes // flat.itemsize)
+        rounds = max(1, -(-flat.size // piece))
+        for k in range(rounds):
+            a, b = k * piece, min((k + 1) * piece, flat.size)
+            staged = self._region(k % 2, 0, flat.dtype, piece)[:b - a]
+            if me == root:
+                if k >= 2:
+                    await self._wait(chan, _SUB_GATHER_DONE)
+                staged[...] = flat[a:b]
+                await self._signal(chan, _SUB_GATHER_IN)
+            else:
+                await chan.recv(root_rank, sub=_SUB_GATHER_IN)
+                flat[a:b] = staged
+                await chan.send(root_rank, _SIGNAL, _SUB_GATHER_DONE)
+        if me == root:
+            for _ in range(min(2, rounds)):
+                await self._wait(chan, _SUB_GATHER_DONE)
+            await self._signal(chan, _SUB_GATHER_IN)  # release: every copy is out
+        else:  # nobody writes the staging slots again before all have read them
+            await chan.recv(root_rank, sub=_SUB_GATHER_IN)
+
+
+def _length(bounds: tuple[int, int]) -> int:
+    return bounds[1] - bounds[0]
+
+
+async def open_host_arena(chan: Channel, enabled: bool,
+                          slot_bytes: int = DEFAULT_SLOT_BYTES
+                          ) -> tuple[HostLayout, HostArena | None]:
+    """Find which ranks of ``chan``'s group share a host and give them a shared segment.
+
+    Every rank of the group calls this at the same collective (the group's first large
+    one). The host keys travel over the authenticated transport; each host's lowest rank
+    creates the segment and sends its locator to the others, who attach. A second
+    exchange agrees on the outcome: if any rank could not create or attach, every rank
+    uses TCP (and says why once, at warning level).
+    """
+    setup = chan.derive(_SUB_SETUP)
+    blobs = await bruck_all_gather_blobs(setup, msgpack.packb([enabled, host_key()]))
+    entries = [msgpack.unpackb(blob) for blob in blobs]
+    layout = HostLayout.from_keys([bytes(key) for _, key in entries],
+                                  [bool(on) for on, _ in entries], chan.rank)
+    if layout.mode is LocalMode.TCP:
+        return layout, None
+    local_size = len(layout.local_ranks)
+    fit = SEGMENT_BUDGET // (2 * (local_size + 1)) // 4096 * 4096
+    slot_bytes = max(64 * 1024, min(slot_bytes, fit))
+    size = HostArena.data_bytes(local_size, slot_bytes)
+    segment: SharedSegment | None = None
+    problem: str | None = None
+    leader = layout.local_ranks[0]
+    if layout.is_leader:
+        try:
+            segment = SharedSegment.create(size)
+        except SharedMemoryError as exc:
+            problem = str(exc)
+        locator = None if segment is None else segment.locator.pack()
+        for peer in layout.local_ranks[1:]:
+            await chan.send(peer, msgpack.packb(locator), _SUB_LOCATE)
+    else:
+        packed = msgpack.unpackb((await chan.recv(leader, sub=_SUB_LOCATE)).tobytes())
+        if packed is None:
+            problem = f"group rank {leader} could not create the host's segment"
+        else:
+            try:
+                segment = SharedSegment.attach(SegmentLocator.unpack(packed),
+                                               peer=f"group rank {leader}")
+            except SharedMemoryError as exc:
+                problem = str(exc)
+    outcomes = await bruck_all_gather_blobs(setup, msgpack.packb(problem))
+    problems = [(r, msgpack.unpackb(blob)) for r, blob in enumerate(outcomes)]
+    failed = [(r, text) for r, text in problems if text is not None]
+    if failed:
+        if segment is not None:
+            segment.close()
+        if chan.rank == 0:
+            logger.warning("netdist: shared memory off for this group, collectives use TCP: "
+                           "%s", "; ".join(f"group rank {r}: {t}" for r, t in failed))
+        return HostLayout(LocalMode.TCP, layout.hosts, layout.rank, layout.host,
+                          layout.local), None
+    assert segment is not None
+    segment.release_fd()  # every local peer has attached (the exchange above says so)
+    return layout, HostArena(segment, layout, slot_bytes)
+
+
+class HostPath:
+    """A group's same-host data path.
+
+    The group's first collective that could use shared memory sets it up
+    (``open_host_arena``); after that, while shared memory is on, the group's
+    shared-memory collectives run one at a time in issue order (they share the slots),
+    each holding its *turn*. Tickets are taken when a collective is issued, so every rank
+    serves them in the same order. When the setup chose TCP, turns are free for all.
+    """
+
+    def __init__(self, enabled: bool, slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
+        self.enabled = enabled
+        self.slot_bytes = slot_bytes
+        self.layout: HostLayout | None = None
+        self.arena: HostArena | None = None
+        self._issued = 0
+        self._serving = 0
+        self._abandoned: set[int] = set()
+        self._changed: asyncio.Event | None = None
+
+    def ticket(self) -> int:
+        """Take the next turn (call when the collective is issued, in issue order)."""
+        ticket = self._issued
+        self._issued += 1
+        return ticket
+
+    def _ready(self, ticket: int) -> bool:
+        return self._serving == ticket or (self.layout is not None and self.arena is None)
+
+    def _done(self, ticket: int) -> None:
+        """``ticket`` no longer needs its turn (finished, failed or cancelled)."""
+        self._abandoned.add(ticket)
+        while self._serving in self._abandoned:
+            self._abandoned.discard(self._serving)
+            self._serving += 1
+        if self._changed is not None:
+            self._changed.set()
+
+    @contextlib.asynccontextmanager
+    async def turn(self, chan: Channel, ticket: int) -> AsyncIterator[HostArena | None]:
+        """Wait for ``ticket``'s turn and yield the arena (``None``: use TCP)."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        changed = self._changed
+        try:
+            while not self._ready(ticket):
+                changed.clear()
+                await changed.wait()
+            if self.layout is None:
+                self.layout, self.arena = await open_host_arena(chan, self.enabled,
+                                                                self.slot_bytes)
+            yield self.arena
+        finally:
+            self._done(ticket)
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+
+async def host_all_reduce(chan: Channel, arena: HostArena, flat: np.ndarray, op: ReduceOp,
+                          mean: bool, segment: int, depth: int) -> None:
+    """All-reduce ``flat`` in place over the whole group: through the arena alone on one
+    host; hierarchically (shared-memory reduce-scatter inside each host, ring all-reduce
+    of each chunk across hosts between ranks of equal local index, shared-memory
+    all-gather) on several."""
+    layout = arena.layout
+    divisor = chan.world_size if mean else None
+    if layout.mode is LocalMode.SINGLE_HOST:
+        await arena.all_reduce(chan, flat, op, divisor)
+        return
+    chunks = chunk_bounds(flat.size, arena.local_size)
+    lo, hi = chunks[layout.local]
+    await arena.reduce_scatter(chan, flat, op, chunks, flat[lo:hi], None)
+    if hi > lo:
+        cross = chan.subset(layout.cross_ranks, SUB_CROSS)
+        await ring_all_reduce(cross, flat[lo:hi], op, segment, depth, divisor=divisor)
+    await arena.all_gather(chan, flat, chunks)
+
+
+async def host_broadcast(chan: Channel, arena: HostArena, flat: np.ndarray, root: int,
+                         segment: int) -> None:
+    """Broadcast ``flat`` from group rank ``root``: across hosts by a TCP chain between the
+    ranks with the root's local index, then inside every host from that rank's copy."""
+    layout = arena.layout
+    root_host = next(h for h, members in enumerate(layout.hosts) if root in members)
+    root_local = layout.hosts[root_host].index(root)
+    if layout.mode is LocalMode.HIERARCHICAL and layout.local == root_local:
+        cross = chan.subset(layout.cross_ranks, SUB_CROSS)
+        await chain_broadcast(cross, flat, root_host, segment)
+    await arena.broadcast(chan, flat, root_local)

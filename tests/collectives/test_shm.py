@@ -1,0 +1,289 @@
+"""The same-host shared-memory path: host layouts, segments, the setup's agreement and
+fallback, and the shared-memory collectives' exact results (in-process ranks, which
+share a host; ``test_multiprocess.py`` runs real processes, one host and two pretend
+hosts, and SIGKILLs one mid-round)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+from netdist.collectives import Group
+from netdist.collectives.hosts import MAX_LOCAL_RANKS, HostLayout, LocalMode
+from netdist.errors import SharedMemoryError
+from netdist.transport.shm import (
+    HEADER_BYTES,
+    SegmentLocator,
+    SharedSegment,
+    host_key,
+    shared_memory_enabled,
+)
+from netdist.types import ReduceOp, combine
+
+from .helpers import RING, assert_bitwise_equal, run_inprocess
+
+SLOT = 64 * 1024  # small slots: many rounds, both parities, partial last rounds
+
+
+# -- layouts (pure) ----------------------------------------------------------------------
+
+def test_layout_single_host() -> None:
+    layout = HostLayout.from_keys([b"a"] * 4, [True] * 4, rank=2)
+    assert layout.mode is LocalMode.SINGLE_HOST
+    assert layout.hosts == ((0, 1, 2, 3),) and layout.local == 2 and not layout.is_leader
+    assert layout.cross_ranks == (2,)
+
+
+def test_layout_hierarchical_groups_by_key_in_rank_order() -> None:
+    layout = HostLayout.from_keys([b"x", b"y", b"x", b"y"], [True] * 4, rank=3)
+    assert layout.mode is LocalMode.HIERARCHICAL
+    assert layout.hosts == ((0, 2), (1, 3))
+    assert (layout.host, layout.local) == (1, 1)
+    assert layout.local_ranks == (1, 3) and layout.cross_ranks == (2, 3)
+
+
+@pytest.mark.parametrize("keys, enabled", [
+    ([b"a", b"b", b"c"], [True] * 3),         # nobody shares a host
+    ([b"a", b"a", b"b"], [True] * 3),         # uneven hosts
+    ([b"a"] * 3, [True, False, True]),        # one rank has it off
+    ([b"a"] * 33, [True] * 33),                # more ranks on a host than MAX_LOCAL_RANKS
+])
+def test_layout_falls_back_to_tcp(keys: list[bytes], enabled: list[bool]) -> None:
+    assert HostLayout.from_keys(keys, enabled, rank=0).mode is LocalMode.TCP
+
+
+def test_max_local_ranks_is_the_bound_used_above() -> None:
+    assert MAX_LOCAL_RANKS == 32
+    keys = [b"a"] * MAX_LOCAL_RANKS
+    assert HostLayout.from_keys(keys, [True] * len(keys), 0).mode is LocalMode.SINGLE_HOST
+
+
+def test_host_key_follows_netdist_host_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NETDIST_HOST_ID", raising=False)
+    plain = host_key()
+    assert host_key() == plain and len(plain) == 16
+    monkeypatch.setenv("NETDIST_HOST_ID", "other")
+    assert host_key() != plain
+
+
+@pytest.mark.parametrize("value, expected", [("0", False), ("off", False), ("no", False),
+                                             ("1", True), ("", True)])
+def test_netdist_shm_variable(monkeypatch: pytest.MonkeyPatch, value: str,
+                              expected: bool) -> None:
+    monkeypatch.setenv("NETDIST_SHM", value)
+    assert shared_memory_enabled(None) is expected
+    assert shared_memory_enabled(True) is True and shared_memory_enabled(False) is False
+
+
+# -- segments ----------------------------------------------------------------------------
+
+def test_segment_attach_sees_the_creators_bytes_and_nothing_lands_in_dev_shm() -> None:
+    before = set(os.listdir("/dev/shm"))
+    created = SharedSegment.create(4096)
+    try:
+        attached = SharedSegment.attach(created.locator, peer="test")
+        created.array(10, 3)[:] = [1, 2, 3]
+        assert attached.array(10, 3).tolist() == [1, 2, 3]
+        assert os.stat(f"/proc/self/fd/{created.locator.fd}").st_mode & 0o777 == 0o600
+        assert set(os.listdir("/dev/shm")) == before
+        attached.close()
+    finally:
+        created.close()
+
+
+def test_segment_with_a_wrong_cookie_is_refused() -> None:
+    created = SharedSegment.create(4096)
+    try:
+        forged = SegmentLocator(created.locator.pid, created.locator.fd, created.locator.size,
+                                bytes(16))
+        with pytest.raises(SharedMemoryError, match="cookie"):
+            SharedSegment.attach(forged, peer="group rank 0")
+        wrong_size = SegmentLocator(created.locator.pid, created.locator.fd,
+                                    created.locator.size + 64, created.locator.cookie)
+        with pytest.raises(SharedMemoryError, match="bytes, expected"):
+            SharedSegment.attach(wrong_size, peer="group rank 0")
+    finally:
+        created.close()
+
+
+def test_locator_naming_a_file_that_is_not_a_segment_is_refused() -> None:
+    with tempfile.TemporaryFile() as f:
+        f.write(bytes(4096))
+        f.flush()
+        locator = SegmentLocator(os.getpid(), f.fileno(), 4096, bytes(16))
+        with pytest.raises(SharedMemoryError, match="not a netdist segment"):
+            SharedSegment.attach(locator, peer="group rank 3")
+
+
+def test_locator_of_a_closed_descriptor_is_a_clear_error() -> None:
+    created = SharedSegment.create(4096)
+    locator = created.locator
+    created.release_fd()
+    try:
+        with pytest.raises(SharedMemoryError, match="cannot open group rank 1's"):
+            SharedSegment.attach(locator, peer="group rank 1")
+    finally:
+        created.close()
+
+
+@pytest.mark.parametrize("fields", [None, [1, 2, 3], [1, 2, 3, b"x"], ["1", 2, 4096, bytes(16)],
+                                    [1, -1, 4096, bytes(16)], [1, 2, HEADER_BYTES, bytes(16)]])
+def test_malformed_locators_are_refused(fields: object) -> None:
+    with pytest.raises(SharedMemoryError, match="malformed"):
+        SegmentLocator.unpack(fields)
+
+
+def test_segment_views_are_bounded() -> None:
+    segment = SharedSegment.create(4096)
+    with pytest.raises(SharedMemoryError, match="outside"):
+        segment.array(4000, 200)
+    segment.close()
+    with pytest.raises(SharedMemoryError, match="closed"):
+        segment.array(0, 1)
+
+
+# -- setup: agreement and fallback --------------------------------------------------------
+
+async def test_groups_on_one_host_use_shared_memory(data_path: str) -> None:
+    async def body(g: Group) -> LocalMode | None:
+        assert g.local_mode is None  # nothing large has run yet
+        await g.all_reduce(np.ones(10_000, np.float32))
+        return g.local_mode
+
+    modes = await run_inprocess(3, body, small_message_bytes=RING)
+    expected = LocalMode.SINGLE_HOST if data_path == "shm" else LocalMode.TCP
+    assert modes == [expected] * 3
+
+
+async def test_one_rank_without_shared_memory_puts_the_group_on_tcp() -> None:
+    from netdist.transport import InProcessTransport
+
+    transports = InProcessTransport.create_group(3, timeout=10)
+    groups = [Group(t, small_message_bytes=RING, shared_memory=t.rank != 1)
+              for t in transports]
+    arrays = [np.full(5000, r + 1, np.int64) for r in range(3)]
+    async with asyncio.timeout(30):
+        await asyncio.gather(*(g.all_reduce(a) for g, a in zip(groups, arrays)))
+    assert [g.local_mode for g in groups] == [LocalMode.TCP] * 3
+    assert all(np.array_equal(a, np.full(5000, 6)) for a in arrays)
+    for g in groups:
+        await g.aclose()
+    for t in transports:
+        await t.aclose()
+
+
+async def test_a_rank_that_cannot_attach_puts_everyone_on_tcp_and_says_why(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def refuse(locator: SegmentLocator, *, peer: str) -> SharedSegment:
+        raise SharedMemoryError(f"cannot open {peer}'s shared-memory segment: denied")
+
+    monkeypatch.setattr(SharedSegment, "attach", staticmethod(refuse))
+
+    async def body(g: Group) -> tuple[LocalMode | None, np.ndarray]:
+        array = np.full(5000, g.rank + 1, np.int64)
+        await g.all_reduce(array)
+        return g.local_mode, array
+
+    with caplog.at_level(logging.WARNING, logger="netdist.collectives"):
+        results = await run_inprocess(3, body, small_message_bytes=RING, shared_memory=True)
+    assert [mode for mode, _ in results] == [LocalMode.TCP] * 3
+    assert all(np.array_equal(a, np.full(5000, 6)) for _, a in results)
+    warnings = [r.getMessage() for r in caplog.records if "shared memory off" in r.getMessage()]
+    assert len(warnings) == 1 and "group rank 1: cannot open group rank 0's" in warnings[0]
+
+
+# -- results -----------------------------------------------------------------------------
+
+def _fold(arrays: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    """Lowest rank first, as the shared-memory path folds."""
+    out = arrays[0].copy()
+    for other in arrays[1:]:
+        combine(op, out, other, out)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MEAN])
+async def test_all_reduce_folds_lowest_rank_first_bitwise(n: int, op: ReduceOp) -> None:
+    rng = np.random.default_rng(5)
+    inputs = [rng.standard_normal(50_001).astype(np.float32) for _ in range(n)]
+
+    async def body(g: Group) -> np.ndarray:
+        array = inputs[g.rank].copy()
+        await g.all_reduce(array, op)
+        return array
+
+    results = await run_inprocess(n, body, small_message_bytes=RING, shared_memory=True,
+                                  shm_slot_bytes=SLOT)
+    assert_bitwise_equal(results)
+    expected = _fold(inputs, ReduceOp.SUM if op is ReduceOp.MEAN else op)
+    if op is ReduceOp.MEAN:
+        expected = expected / np.float32(n)
+    assert results[0].tobytes() == expected.tobytes()
+
+
+async def test_collectives_in_flight_together_take_turns_on_the_slots() -> None:
+    n, count = 3, 6
+
+    async def body(g: Group) -> list[np.ndarray]:
+        arrays = [np.full(40_000 + 1000 * k, (g.rank + 1) * (k + 1), np.int64)
+                  for k in range(count)]
+        works = [await g.all_reduce(a, async_op=True) for a in arrays[:3]]
+        works.append(await g.all_gather(arrays[3], async_op=True))
+        works.append(await g.broadcast(arrays[4], 1, async_op=True))
+        works.append(await g.reduce_scatter(arrays[5], async_op=True))
+        return [await w for w in works]
+
+    results = await run_inprocess(n, body, small_message_bytes=RING, shared_memory=True,
+                                  shm_slot_bytes=SLOT)
+    total = n * (n + 1) // 2
+    for rank, got in enumerate(results):
+        for k in range(3):
+            assert np.array_equal(got[k], np.full(40_000 + 1000 * k, total * (k + 1)))
+        assert np.array_equal(got[3], np.concatenate(
+            [np.full(43_000, (r + 1) * 4) for r in range(n)]))
+        assert np.array_equal(got[4], np.full(44_000, 2 * 5))
+        assert np.array_equal(got[5], np.full(len(got[5]), total * 6))
+
+
+async def test_bfloat16_mean_through_shared_memory_matches_the_ordered_fold() -> None:
+    from netdist.types import bfloat16_to_float32, float32_to_bfloat16
+
+    rng = np.random.default_rng(9)
+    inputs = [float32_to_bfloat16(rng.standard_normal(30_000).astype(np.float32))
+              for _ in range(3)]
+
+    async def body(g: Group) -> np.ndarray:
+        array = inputs[g.rank].copy()
+        await g.all_reduce(array, ReduceOp.MEAN)
+        return array
+
+    results = await run_inprocess(3, body, small_message_bytes=RING, shared_memory=True,
+                                  shm_slot_bytes=SLOT)
+    summed = bfloat16_to_float32(_fold(inputs, ReduceOp.SUM))
+    expected = float32_to_bfloat16(summed / np.float32(3))  # one rounding, as torch divides
+    assert_bitwise_equal(results)
+    assert results[0].view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
+
+
+async def test_subgroups_get_their_own_segments() -> None:
+    async def body(g: Group) -> tuple[np.ndarray, LocalMode | None]:
+        sub = g.new_group([0, 2, 3])
+        array = np.full(20_000, g.rank + 1, np.int64)
+        if sub.is_member:
+            await sub.all_reduce(array)
+        await g.all_reduce(array)
+        return array, sub.local_mode
+
+    results = await run_inprocess(4, body, small_message_bytes=RING, shared_memory=True,
+                                  shm_slot_bytes=SLOT)
+    # members: 1 + 3 + 4 = 8 after the subgroup; then the world sums 8 + 2 + 8 + 8
+    for array, _ in results:
+        assert np.array_equal(array, np.full(20_000, 26))
+    assert [mode for _, mode in results] == [LocalMode.SINGLE_HOST, None,
+                                             LocalMode.SINGLE_HOST, LocalMode.SINGLE_HOST]
