@@ -12,6 +12,10 @@ also serve); ``ServerOptimizerAggregator`` / ``demo_update_path`` plug the modes
 ``distributed_train_step`` loop.
 
 ``netdist.ps.state`` holds the pure planning, optimizer and version-clock logic.
+
+Every mode takes CPU torch tensors wherever it takes NumPy arrays (``netdist.tensors``),
+and bfloat16 without ``ml_dtypes``: the rank-0 server averages it as torch does, the
+sharded servers keep a float32 master copy (``ServerShard``).
 """
 
 from netdist.ps.adapters import (

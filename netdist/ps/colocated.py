@@ -13,6 +13,11 @@ a job runs the same training script (``netdist launch``, ``netdist demo``); use 
         for batch in data:
             params = await ps.step(grads_of(params, batch))
     # leaving the block: this worker is done; a server rank also waits for the others
+
+Parameters, gradients and ``out=`` may be CPU torch tensors, bfloat16 included, exactly
+as for ``PSClient``; this rank's server keeps bfloat16 parameters as a float32 master copy
+(``netdist.ps.state.ServerShard``). In a torch loop, ``ServerOptimizerAggregator(ps,
+optimizer=...)`` with ``netdist.torch.sync.GradientSync`` does the pushing and pulling.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ Protocol, per worker and server (all messages on the server's tag range):
    (synchronous SGD); with ``k`` a push applies when no worker would fall more than ``k``
    versions behind; with ``None`` every push applies on arrival. An update sums the
    gradients in worker order, divides by ``W`` and runs the optimizer on the shard.
+   bfloat16 parameters are kept as a float32 master copy with float32 optimizer state
+   and sent back rounded to bfloat16 (``netdist.ps.state.ServerShard``).
 3. *shutdown*: a worker sends ``DONE``; the server returns from ``run()`` once every
    worker is done. A worker that fails sends ``ABORT`` with its error.
 
@@ -62,6 +64,7 @@ from netdist.ps.protocol import (
 from netdist.ps.state import (
     ParamSpec,
     Segment,
+    ServerShard,
     ShardOptimizer,
     ShardPlan,
     StalenessController,
@@ -114,13 +117,11 @@ class PSServer:
         self.tag_base = check_tag_base(tag_base)
         self._workers = list(self.roles.worker_ranks)
         self.plan: ShardPlan | None = None
-        self.params: np.ndarray | None = None
-        """This server's flat parameter shard (after init)."""
-        self.optimizer: ShardOptimizer | None = None
+        self.shard: ServerShard | None = None
+        """This server's shard (after init): master parameters, optimizer, pulled values."""
         self.clock: StalenessController | None = None
         self._grads: list[np.ndarray] = []
         self._segments: tuple[Segment, ...] = ()
-        self._acc: np.ndarray | None = None
         self._readers = 0
         self._changed = asyncio.Condition()
         self._apply_lock = asyncio.Lock()
@@ -132,6 +133,21 @@ class PSServer:
     @property
     def timeout(self) -> float:
         return self._ep.timeout
+
+    @property
+    def params(self) -> np.ndarray | None:
+        """This server's flat parameter shard as workers pull it (wire dtype; after init)."""
+        return None if self.shard is None else self.shard.wire
+
+    @property
+    def master(self) -> np.ndarray | None:
+        """The parameters the optimizer updates: ``params`` itself, or for bfloat16 its
+        float32 master copy (see ``netdist.ps.state.ServerShard``)."""
+        return None if self.shard is None else self.shard.master
+
+    @property
+    def optimizer(self) -> ShardOptimizer | None:
+        return None if self.shard is None else self.shard.optimizer
 
     @property
     def version(self) -> int:
@@ -263,12 +279,10 @@ class PSServer:
             raise ParameterServerError(f"worker rank {first} sent {got} as initial values; "
                                        f"server {self.server} holds {plan.dtype}[{size}]")
         self.plan = plan
-        self.params = values
-        self.optimizer = ShardOptimizer(optimizer, size, dtype)
+        self.shard = ServerShard(optimizer, values)
         self.clock = clock
         self._segments = plan_segments(plan, self.server)
         self._grads = [np.empty(size, dtype) for _ in self._workers]
-        self._acc = np.empty(size, dtype)
         wire_staleness = NO_STALENESS_BOUND if clock.max_staleness is None else clock.max_staleness
         ok = encode_header(Kind.OK, 0, wire_staleness)
         await run_all([self._send(w, ShardedStream.REPLY, ok, "answering INIT")
@@ -344,17 +358,10 @@ class PSServer:
             self._changed.notify_all()
 
     def _apply(self, update: tuple[int, ...]) -> None:
-        acc, params, optimizer, clock = self._acc, self.params, self.optimizer, self.clock
-        if acc is None or params is None or optimizer is None or clock is None:
+        shard, clock = self.shard, self.clock
+        if shard is None or clock is None:
             raise ParameterServerError("server used before init")  # pragma: no cover
-        if len(update) == 1:
-            np.copyto(acc, self._grads[update[0]])
-        else:  # same bits as copy-then-add, one pass fewer
-            np.add(self._grads[update[0]], self._grads[update[1]], out=acc)
-        for w in update[2:]:
-            np.add(acc, self._grads[w], out=acc)
-        np.divide(acc, len(self._workers), out=acc)
-        optimizer.step(params, acc)
+        shard.apply([self._grads[w] for w in update], len(self._workers))
         clock.commit(update)
 
     async def _answer_pull(self, index: int, worker: int) -> None:

@@ -12,6 +12,9 @@ one process:
 - ``ShardOptimizer`` applies SGD (momentum, Nesterov, weight decay) or Adam to a flat
   shard with exactly the arithmetic of ``netdist.train.optim`` (torch's update rules).
   The updates are elementwise, so a sharded step equals the unsharded step bit for bit.
+- ``ServerShard`` is what a server holds: the master parameters, the optimizer and the
+  values workers pull. bfloat16 parameters keep a float32 master copy and float32
+  optimizer state (mixed-precision training's master weights); see ``ServerShard``.
 - ``StalenessController`` is the server's version clock and bounded-staleness rule, with
   the per-update version log tests assert the bound from.
 - ``ps_roles`` / ``num_servers_from_env`` say which ranks of a job serve.
@@ -33,7 +36,14 @@ from netdist.errors import ConfigError, ParameterServerError
 from netdist.optim_kernels import (adam_update, check_adam_hyperparameters, check_lr,
                                     check_sgd_hyperparameters, sgd_update)
 from netdist.sharding import chunk_bounds
-from netdist.types import WIRE_DTYPES, dtype_from_wire, dtype_to_wire
+from netdist.types import (
+    CARRIED_DTYPES,
+    bfloat16_to_float32,
+    dtype_from_wire,
+    dtype_to_wire,
+    float32_to_bfloat16,
+    is_bfloat16,
+)
 
 __all__ = [
     "DEFAULT_BIGARRAY_BOUND",
@@ -54,6 +64,8 @@ __all__ = [
     "OptimizerConfig",
     "optimizer_config_from_dict",
     "ShardOptimizer",
+    "master_dtype",
+    "ServerShard",
     "WorkerState",
     "VersionLogEntry",
     "StalenessController",
@@ -80,6 +92,16 @@ DEFAULT_PS_SERVERS = 2
 # -- tensor specifications and placement ------------------------------------------------
 
 
+def _is_float(dtype: np.dtype[Any]) -> bool:
+    """Floating point, bfloat16 (``ml_dtypes``' or the raw-bits stand-in) included."""
+    return dtype.kind == "f" or is_bfloat16(dtype)
+
+
+def _dtype_name(dtype: np.dtype[Any]) -> str:
+    """``dtype`` as users know it: the raw-bits stand-in is ``bfloat16`` too."""
+    return "bfloat16" if is_bfloat16(dtype) else str(dtype)
+
+
 @dataclass(frozen=True, slots=True)
 class ParamSpec:
     """Name, shape and wire dtype name of one parameter tensor."""
@@ -104,7 +126,7 @@ class ParamSpec:
                 or not isinstance(value[2], str)
                 or not all(isinstance(d, int) and d >= 0 for d in value[1])):
             raise ValueError(f"malformed parameter spec {value!r}")
-        if value[2] not in WIRE_DTYPES:
+        if value[2] not in CARRIED_DTYPES:
             raise ValueError(f"parameter spec names unsupported dtype {value[2]!r}")
         return cls(value[0], tuple(int(d) for d in value[1]), value[2])
 
@@ -188,9 +210,12 @@ class ShardPlan:
             if writable and (not array.flags.c_contiguous or not array.flags.writeable):
                 raise ValueError(f"tensor {spec.name!r} must be C-contiguous and writable "
                                  "to receive parameters in place")
-            if writable and array.dtype != dtype_from_wire(self.dtype):
-                raise TypeError(f"tensor {spec.name!r} is {array.dtype}, the parameter "
-                                f"server holds {self.dtype}")
+            if array.dtype != dtype_from_wire(self.dtype) and (
+                    writable or is_bfloat16(array.dtype)
+                    or is_bfloat16(dtype_from_wire(self.dtype))):
+                # reading another float dtype casts; bfloat16 raw bits never cast silently
+                raise TypeError(f"tensor {spec.name!r} is {_dtype_name(array.dtype)}, the "
+                                f"parameter server holds {self.dtype}")
 
     def pack(self, server: int, arrays: Sequence[np.ndarray],
              out: np.ndarray | None = None) -> np.ndarray:
@@ -231,8 +256,8 @@ def plan_shards(specs: Sequence[ParamSpec], num_servers: int, *,
     large embedding or weight never makes one server the bottleneck. The remaining small
     tensors are placed whole: their keys are split into ``num_servers`` contiguous ranges
     of roughly equal total size (ps-lite's key ranges; a tensor goes to the range its
-    midpoint falls in). All tensors must share one dtype: a server's shard is one flat
-    buffer its optimizer updates in a single pass.
+    midpoint falls in). All tensors must share one floating dtype (bfloat16 included): a
+    server's shard is one flat buffer its optimizer updates in a single pass.
     """
     specs = tuple(specs)
     if not isinstance(num_servers, int) or isinstance(num_servers, bool):
@@ -250,7 +275,7 @@ def plan_shards(specs: Sequence[ParamSpec], num_servers: int, *,
     if len(dtypes) != 1:
         raise TypeError(f"all parameters of a sharded parameter server must share one "
                         f"dtype, got {dtypes}")
-    if not np.issubdtype(dtype_from_wire(dtypes[0]), np.floating):
+    if not _is_float(dtype_from_wire(dtypes[0])):
         raise TypeError(f"parameters must be floating point, got {dtypes[0]}")
 
     big = [spec.size >= bigarray_bound and spec.size >= num_servers for spec in specs]
@@ -605,6 +630,77 @@ class ShardOptimizer:
                     lr=c.lr, beta1=c.beta1, beta2=c.beta2, eps=c.eps,
                     weight_decay=c.weight_decay,
                     max_exp_avg_sq=self.state["max_exp_avg_sq"] if c.amsgrad else None)
+
+
+def master_dtype(wire_dtype: str) -> np.dtype[Any]:
+    """The dtype a server keeps parameters of wire dtype ``wire_dtype`` in.
+
+    float32 for bfloat16 (as mixed-precision training keeps float32 master weights: an
+    update smaller than half a bfloat16 ulp of the weight would otherwise be lost, and
+    NumPy has no bfloat16 arithmetic without ``ml_dtypes``); the dtype itself otherwise.
+    """
+    dtype = dtype_from_wire(wire_dtype)
+    return np.dtype(np.float32) if is_bfloat16(dtype) else dtype
+
+
+class ServerShard:
+    """One server's flat shard: master parameters, optimizer, and what workers pull.
+
+    ``initial`` holds the shard's initial values in the wire dtype. ``apply(grads,
+    divisor)`` sums the given gradients (wire dtype) in the order given, divides by
+    ``divisor`` and runs the optimizer on the master parameters; ``wire`` then holds the
+    values workers pull.
+
+    For float16/32/64 the master *is* the wire buffer and the arithmetic is exactly
+    ``netdist.train.optim``'s in that dtype, as before. For bfloat16 the server keeps
+    float32 master parameters and float32 optimizer state (``master_dtype``): each
+    gradient is widened to float32 (exact), they are summed in float32 in the given
+    order and divided once, the float32 optimizer step updates the master, and ``wire``
+    is the master rounded to bfloat16 to nearest even, as ``tensor.to(torch.bfloat16)``
+    rounds. So a bfloat16 model trained through the servers follows float32 training
+    of its master weights, and workers get bfloat16 back.
+    """
+
+    def __init__(self, config: OptimizerConfig, initial: np.ndarray) -> None:
+        if initial.ndim != 1:
+            raise ValueError(f"a server shard is flat, got shape {initial.shape}")
+        if not _is_float(initial.dtype):
+            raise TypeError(f"parameters must be floating point, got {initial.dtype}")
+        self.wire = initial
+        """The shard as workers pull it (wire dtype)."""
+        self.mixed = is_bfloat16(initial.dtype)
+        """True when ``master`` is a float32 copy of bfloat16 parameters."""
+        self.master = bfloat16_to_float32(initial) if self.mixed else initial
+        """The parameters the optimizer updates (``wire`` itself unless ``mixed``)."""
+        size = int(initial.size)
+        self.optimizer = ShardOptimizer(config, size, self.master.dtype)
+        self._acc = np.empty(size, self.master.dtype)
+        self._wide = np.empty(size, np.float32) if self.mixed else None
+
+    @property
+    def size(self) -> int:
+        return int(self.wire.size)
+
+    def apply(self, grads: Sequence[np.ndarray], divisor: int) -> None:
+        """One update from ``grads`` (flat, wire dtype), summed in order, divided once."""
+        if not grads:
+            raise ValueError("an update needs at least one gradient")
+        acc = self._acc
+        if self._wide is None:
+            if len(grads) == 1:
+                np.copyto(acc, grads[0])
+            else:  # same bits as copy-then-add, one pass fewer
+                np.add(grads[0], grads[1], out=acc)
+            for g in grads[2:]:
+                np.add(acc, g, out=acc)
+        else:
+            bfloat16_to_float32(grads[0], out=acc)
+            for g in grads[1:]:
+                np.add(acc, bfloat16_to_float32(g, out=self._wide), out=acc)
+        np.divide(acc, divisor, out=acc)
+        self.optimizer.step(self.master, acc)
+        if self.mixed:
+            float32_to_bfloat16(self.master, out=self.wire)
 
 
 # -- versions and bounded staleness -----------------------------------------------------

@@ -21,7 +21,16 @@ One round, for ``n`` ranks and root ``r``:
 The fixed order makes the result reproducible and independent of arrival timing; every
 rank receives the very bytes the server computed. Training with ``n`` ranks of batch
 ``b`` therefore matches single-process training with batch ``n*b`` up to the rounding of
-a mean of means (about 1e-16 relative per step).
+a mean of means (about 1e-16 relative per step). bfloat16 gradients are summed as torch
+sums them (each pairwise step in float32, rounded back to bfloat16; the mean divided in
+float32 and rounded once), so the average is torch's ``((g0 + g1) + g2) / 3`` bit for bit.
+
+Torch tensors: parameters and gradients may be CPU torch tensors wherever arrays are
+accepted, read and written through NumPy views of their memory (``netdist.tensors``;
+nothing is copied). ``reduce_gradients`` returns a tensor for every gradient given as a
+tensor; ``broadcast_params`` writes into the given tensors, and a non-contiguous one on a
+worker is filled through a contiguous copy that is copied back. A tensor off the CPU
+raises ``ValueError`` naming its device before anything is sent.
 
 Failures end the round on every rank: a lost worker makes the server raise
 ``ParameterServerError`` naming it (a silent one: ``NetdistTimeoutError``) and send that
@@ -49,8 +58,9 @@ from netdist.errors import (
 from netdist.ps._link import Endpoint, GroupLike, RankFailure, first_error, run_all
 from netdist.ps.protocol import SYNC_TAG_BASE, SyncStream, check_tag_base, stream_tag
 from netdist.ps.state import FlatLayout, Piece, plan_pieces
-from netdist.types import dtype_from_wire
+from netdist.tensors import StagedOut, as_array, is_tensor, stage_out, to_tensor
 from netdist.transport.base import Transport
+from netdist.types import ReduceOp, combine, divide_into, dtype_from_wire, is_bfloat16
 
 __all__ = ["ParameterServer", "DEFAULT_CHUNK_BYTES"]
 
@@ -145,64 +155,90 @@ class ParameterServer:
 
     # -- public API --------------------------------------------------------------------
 
-    async def broadcast_params(self, params: Sequence[np.ndarray], *,
-                               timeout: float | None = None) -> list[np.ndarray]:
+    async def broadcast_params(self, params: Sequence[Any], *,
+                               timeout: float | None = None) -> list[Any]:
         """Make every rank's ``params`` equal to the server's, in place; returns ``params``.
 
         Arrays must be C-contiguous and writable on the workers. Any wire dtype works.
+        CPU torch tensors work too (see the module docstring): a non-contiguous tensor on
+        a worker is filled through a contiguous copy that is copied back.
         """
+        if isinstance(params, np.ndarray) or is_tensor(params):
+            raise TypeError("broadcast_params needs a list of parameters, got a single "
+                            f"{type(params).__name__}")
         params = list(params)
+        staged: list[StagedOut | None] = [None] * len(params)
+        arrays: list[np.ndarray] = []
         for index, p in enumerate(params):
-            if not isinstance(p, np.ndarray):
-                raise TypeError(f"parameter {index} must be a numpy.ndarray, "
-                                f"got {type(p).__name__}")
-            if not self.is_server and (not p.flags.c_contiguous or not p.flags.writeable):
-                raise ValueError(f"parameter {index} must be C-contiguous and writable to "
-                                 "receive the server's values in place")
+            if isinstance(p, np.ndarray):
+                if not self.is_server and (not p.flags.c_contiguous or not p.flags.writeable):
+                    raise ValueError(f"parameter {index} must be C-contiguous and writable to "
+                                     "receive the server's values in place")
+                arrays.append(p)
+            elif not is_tensor(p):
+                raise TypeError(f"parameter {index} must be a numpy.ndarray or a CPU "
+                                f"torch.Tensor, got {type(p).__name__}")
+            elif self.is_server:
+                arrays.append(as_array(p, f"broadcast_params: parameter {index}"))
+            else:
+                staged[index] = stage_out(p, f"broadcast_params: parameter {index}")
+                arrays.append(staged[index].array)  # type: ignore[union-attr]
         async with self._round("broadcast_params"):
             if self.world_size == 1:
                 return params
-            prep = self._prepare(params)
+            prep = self._prepare(arrays)
             t = self._ep.timeout if timeout is None else timeout
             if self.is_server:
-                await self._serve(prep, t, self._broadcast_pieces(prep, params, t))
+                await self._serve(prep, t, self._broadcast_pieces(prep, arrays, t))
             else:
                 await self._as_worker(prep, t, "broadcast_params",
-                                      self._recv_pieces(prep, params, SyncStream.PARAMS, t))
+                                      self._recv_pieces(prep, arrays, SyncStream.PARAMS, t))
+            for stage in staged:
+                if stage is not None:
+                    stage.finish()
             return params
 
-    async def reduce_gradients(self, grads: Sequence[np.ndarray], *,
-                               timeout: float | None = None) -> list[np.ndarray]:
+    async def reduce_gradients(self, grads: Sequence[Any], *,
+                               timeout: float | None = None) -> list[Any]:
         """Average ``grads`` over all ranks; every rank gets the same new arrays.
 
-        Returns fresh arrays shaped like ``grads`` (which are not modified). Gradients
-        must be floating point.
+        Returns fresh arrays shaped like ``grads`` (which are not modified); a gradient
+        given as a CPU torch tensor comes back as a tensor (over the fresh result).
+        Gradients must be floating point. bfloat16 is summed as torch sums it: each
+        pairwise step in float32, rounded back to bfloat16 (``netdist.types``).
         """
-        grads = list(grads)
+        if isinstance(grads, np.ndarray) or is_tensor(grads):
+            raise TypeError("reduce_gradients needs a list of gradients, got a single "
+                            f"{type(grads).__name__}")
+        given = list(grads)
+        grads = [g if isinstance(g, np.ndarray) else as_array(g, f"reduce_gradients: "
+                                                                f"gradient {i}")
+                 for i, g in enumerate(given)]
         async with self._round("reduce_gradients"):
             prep = self._prepare(grads)
             for group, name in enumerate(prep.layout.group_dtypes):
-                if not np.issubdtype(prep.layout.group_dtype(group), np.floating):
+                dtype = prep.layout.group_dtype(group)
+                if dtype.kind != "f" and not is_bfloat16(dtype):
                     raise TypeError(f"gradients must be floating point, got {name}")
             result = [np.empty(shape, dtype_from_wire(dtype))
                       for shape, dtype in zip(prep.layout.shapes, prep.layout.dtypes)]
-            if self.world_size == 1:
+            if self.world_size > 1:
+                t = self._ep.timeout if timeout is None else timeout
+                if self.is_server:
+                    await self._serve(prep, t, self._reduce_pieces(prep, grads, result, t))
+                else:
+                    async def exchange() -> None:
+                        await run_all([self._recv_pieces(prep, result, SyncStream.AVG, t),
+                                       self._send_pieces(prep, grads, t)])
+
+                    await self._as_worker(prep, t, "reduce_gradients", exchange())
+            else:
                 for out, g in zip(result, grads):
                     np.copyto(out, g)
-                return result
-            t = self._ep.timeout if timeout is None else timeout
-            if self.is_server:
-                await self._serve(prep, t, self._reduce_pieces(prep, grads, result, t))
-                return result
+            return [r if isinstance(g, np.ndarray) else to_tensor(r)
+                    for r, g in zip(result, given)]
 
-            async def exchange() -> None:
-                await run_all([self._recv_pieces(prep, result, SyncStream.AVG, t),
-                               self._send_pieces(prep, grads, t)])
-
-            await self._as_worker(prep, t, "reduce_gradients", exchange())
-            return result
-
-    async def aggregate(self, grads: Sequence[np.ndarray]) -> list[np.ndarray]:
+    async def aggregate(self, grads: Sequence[Any]) -> list[Any]:
         """``GradientAggregator`` interface: the averaged gradients (``reduce_gradients``)."""
         return await self.reduce_gradients(grads)
 
@@ -339,8 +375,9 @@ class ParameterServer:
                     acc = direct if direct is not None else np.empty_like(own)
                     for i, w in enumerate(self._workers):
                         await pending[w, piece.index]
-                        np.add(own if i == 0 else acc, buffers[w][piece.index], out=acc)
-                    np.divide(acc, n, out=acc)
+                        combine(ReduceOp.SUM, own if i == 0 else acc, buffers[w][piece.index],
+                                acc)
+                    divide_into(acc, n)
                     if direct is None:
                         piece.unpack(acc, result)
                     tag = self._tag(SyncStream.AVG, piece.index)

@@ -37,6 +37,29 @@ from DDP, which raises unless ``find_unused_parameters=True``.
 One backward per ``sync()`` in overlap mode: each gradient is reported once per step,
 so gradient accumulation over several backward passes needs ``overlap=False`` (or
 ``with sync.paused():`` around all but the last backward).
+
+Parameter servers. The rank-0 ``netdist.ps.ParameterServer`` is an aggregator like the
+others: ``sync()`` leaves the average in every ``.grad`` and the local optimizer steps.
+With an aggregator that returns *parameters* (``returns_parameters``:
+``netdist.ps.ServerOptimizerAggregator`` over a ``PSClient`` or ``ColocatedPS``, in any
+mode: synchronous, bounded staleness, asynchronous) the optimizer runs on the servers
+instead::
+
+    ps = job.make(ColocatedPS, job.group, num_servers=1)
+    updates = job.make(ServerOptimizerAggregator, ps, optimizer=SGDConfig(lr=0.05),
+                       max_staleness=2)
+    sync = GradientSync(job, model, updates)   # registers the model with the servers
+    for x, y in batches:
+        model.zero_grad()
+        loss_fn(model(x), y).backward()
+        sync.sync()                            # push .grad, pull the new parameters
+    ps.close()                                 # a server rank waits for every worker
+
+Building the ``GradientSync`` calls the aggregator's ``init`` with the parameters (every
+rank must build it: the first worker's values become every rank's model), and
+``sync()`` pushes the gradients and writes the servers' new parameters into the
+parameters in place; there is no local ``optimizer.step()`` (``.grad`` keeps this
+rank's own gradient). Under a staleness bound ``sync()`` may wait for slower ranks.
 """
 
 from __future__ import annotations
@@ -71,6 +94,11 @@ class GradientSync:
     allocated elsewhere anyway (zero_grad between forward and backward) is copied into its
     view once and the view re-bound. Do not use the aggregator for other layouts meanwhile:
     that re-plans its buckets and the views stop being the buckets.
+
+    An aggregator with ``returns_parameters`` (``netdist.ps.ServerOptimizerAggregator``)
+    runs the optimizer on parameter servers: building the ``GradientSync`` calls its
+    ``init(parameters)``, and ``sync()`` writes the new parameters into the model (see
+    the module docstring).
     """
 
     def __init__(self, job: Any, model: torch.nn.Module | Iterable[torch.nn.Parameter],
@@ -101,9 +129,18 @@ class GradientSync:
         self.aggregator: Blocking = aggregator
         """The aggregator, as a blocking proxy on the job's progress thread."""
         self.params: tuple[torch.nn.Parameter, ...] = tuple(params)
+        self.updates_parameters = bool(getattr(unwrap(aggregator), "returns_parameters",
+                                               False))
+        """True if the aggregator returns new parameters (the optimizer runs on parameter
+        servers): ``sync()`` writes them into the parameters; no local optimizer step."""
+        if self.updates_parameters and grad_as_bucket_view:
+            raise ValueError("grad_as_bucket_view needs an all-reduce aggregator, not one "
+                             "that returns parameters")
         self.overlap = bool(overlap) and hasattr(unwrap(aggregator), "begin")
         """True if gradients are reported during backward (``overlap=True`` and the
         aggregator has ``begin``)."""
+        if self.updates_parameters and hasattr(unwrap(aggregator), "init"):
+            aggregator.init(list(params))  # the servers' initial values, into the model
         self.steps = 0
         self._like = [torch.empty_like(p, memory_format=torch.contiguous_format).detach()
                       for p in params]
@@ -182,7 +219,8 @@ class GradientSync:
         return [self._bound_grad(i) for i in range(len(self.params))]
 
     def sync(self) -> None:
-        """Block until every parameter's ``.grad`` holds the average over all ranks.
+        """Block until every parameter's ``.grad`` holds the average over all ranks
+        (or, with ``updates_parameters``, every parameter holds the servers' new value).
 
         Call it after ``loss.backward()`` and before ``optimizer.step()``, on every rank.
         A collective's error (``PeerLostError``, a timeout) is raised here; the
@@ -200,9 +238,11 @@ class GradientSync:
                 raise
         else:
             results = self.aggregator.aggregate(grads)
-        for g, r in zip(grads, results):
-            if r is not g:  # a fresh result (the average was not written in place)
-                g.copy_(r)
+        targets = self.params if self.updates_parameters else grads
+        with torch.no_grad():
+            for t, r in zip(targets, results):
+                if r is not t:  # a fresh result (not written in place)
+                    t.copy_(r)
         self.steps += 1
 
     def close(self) -> None:
