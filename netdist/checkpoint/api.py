@@ -91,6 +91,9 @@ from netdist.errors import (
 
 __all__ = [
     "SaveResult",
+    "PreparedShare",
+    "prepare_share",
+    "write_share",
     "save_distributed",
     "load_distributed",
     "reshard",
@@ -360,6 +363,36 @@ def _layout_of(summaries: list[Any]) -> StateLayout | None:
     return merge_summaries(summaries)
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedShare:
+    """One rank's share of a per-rank save, validated and ready to write: the specs of
+    its tensors, the arrays to write them from (by name) and, for a nested state, the
+    summary of its structure and plain values (taken when prepared: later changes to
+    the state's plain values do not reach it)."""
+
+    specs: dict[str, TensorShardSpec]
+    arrays: dict[str, np.ndarray]
+    summary: dict[str, Any] | None
+
+    def with_arrays(self, arrays: dict[str, np.ndarray]) -> PreparedShare:
+        """The same share written from ``arrays`` (a staged copy, same names and shapes)."""
+        return PreparedShare(self.specs, arrays, self.summary)
+
+
+def prepare_share(state_dict: Any,
+                  shard_spec: ShardMetadata | Mapping[str, TensorShardSpec] | None,
+                  rank: int, world_size: int) -> PreparedShare:
+    """Validate and flatten what :func:`save_distributed` writes (see there for what
+    ``state_dict`` may hold); raises for invalid input before anything is written."""
+    _check_rank(rank, world_size)
+    summary: dict[str, Any] | None = None
+    flat: Mapping[str, Any] = state_dict
+    if _is_structured(state_dict):
+        flat, summary = _flatten_for_save(state_dict, shard_spec)
+    specs, arrays = _specs_for(flat, shard_spec, rank, world_size)
+    return PreparedShare(specs, arrays, summary)
+
+
 def save_distributed(state_dict: Any, dir: str | os.PathLike[str], rank: int,
                      world_size: int,
                      shard_spec: ShardMetadata | Mapping[str, TensorShardSpec] | None = None,
@@ -397,11 +430,24 @@ def save_distributed(state_dict: Any, dir: str | os.PathLike[str], rank: int,
     started = time.perf_counter()
     _check_rank(rank, world_size)
     check_keep_last(keep_last)
-    summary: dict[str, Any] | None = None
-    flat: Mapping[str, Any] = state_dict
-    if _is_structured(state_dict):
-        flat, summary = _flatten_for_save(state_dict, shard_spec)
-    specs, arrays = _specs_for(flat, shard_spec, rank, world_size)
+    share = prepare_share(state_dict, shard_spec, rank, world_size)
+    return write_share(share, dir, rank, world_size, shard_spec, step=step,
+                       keep_last=keep_last, extra=extra, run_id=run_id, started=started)
+
+
+def write_share(share: PreparedShare, dir: str | os.PathLike[str], rank: int,
+                world_size: int,
+                shard_spec: ShardMetadata | Mapping[str, TensorShardSpec] | None = None,
+                *, step: int | None = None, keep_last: int | None = None,
+                extra: Mapping[str, Any] | None = None, run_id: str | None = None,
+                started: float | None = None) -> SaveResult:
+    """Write a :func:`prepare_share` result and commit as :func:`save_distributed`
+    describes (which is ``prepare_share`` + ``write_share``; ``AsyncCheckpointer`` runs
+    this in its writer thread on a staged copy). ``started`` (a ``perf_counter`` time)
+    is where ``SaveResult.seconds`` counts from."""
+    if started is None:
+        started = time.perf_counter()
+    specs, arrays, summary = share.specs, share.arrays, share.summary
     base = shard_spec if isinstance(shard_spec, ShardMetadata) else None
     writers = plan_writes(specs, world_size).writers
     root = Path(dir)

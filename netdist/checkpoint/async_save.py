@@ -5,6 +5,17 @@ every array into staging buffers before it returns - after that the caller may k
 training and mutate its arrays - and writes the staged copy in a worker thread with the
 same crash-safe protocol as :func:`save_distributed`, while the event loop keeps running.
 
+``state`` is anything :func:`save_distributed` takes, through the same code
+(``prepare_share`` now, ``write_share`` in the writer thread): a flat mapping of arrays,
+or nested training state - a model's and an optimizer's ``state_dict()``, the module,
+optimizer, LR scheduler or :class:`~netdist.checkpoint.RNGState` itself, dicts and lists
+of tensors and plain values. It is taken as it is at the call: ``state_dict()`` is called,
+plain values (step counters, ``param_groups``, RNG states) are encoded and every tensor is
+copied before ``save_async`` returns, so an ``optimizer.step()`` that updates parameters
+in place right after does not leak into the saved step. Tied tensors are staged and
+written once, partly overlapping ones as one region (:mod:`netdist.checkpoint.views`);
+:func:`load_distributed` with ``like=`` restores the tree.
+
 - Staging buffers are allocated on the first save and reused by later ones (same names,
   shapes and dtypes), so steady-state saves do not page-fault fresh memory; the copy is
   split over ``staging_threads`` threads (NumPy releases the GIL while copying). The
@@ -34,11 +45,12 @@ from typing import Any
 import numpy as np
 
 from netdist.checkpoint.api import (
+    PreparedShare,
     SaveResult,
     _check_rank,
-    _specs_for,
     check_keep_last,
-    save_distributed,
+    prepare_share,
+    write_share,
 )
 from netdist.checkpoint.dtypes import CHECKPOINT_DTYPES, dtype_name
 from netdist.checkpoint.metadata import ShardMetadata, TensorShardSpec
@@ -149,10 +161,11 @@ class AsyncCheckpointer:
         current = self._inflight
         return current if current is not None and not current.done() else None
 
-    def save_async(self, state_dict: Mapping[str, Any], *, step: int | None = None,
+    def save_async(self, state_dict: Any, *, step: int | None = None,
                    extra: Mapping[str, Any] | None = None) -> CheckpointFuture:
-        """Stage ``state_dict`` now, write it in the background; returns at once after the
-        copy. Invalid input raises here, synchronously; write errors go to the future."""
+        """Snapshot ``state_dict`` now (module docstring), write it in the background;
+        returns at once after the copy. Invalid input raises here, synchronously; write
+        errors go to the future."""
         started = time.perf_counter()
         with self._lock:
             if self._closed:
@@ -160,18 +173,17 @@ class AsyncCheckpointer:
             previous = self._inflight
             if previous is not None:
                 concurrent.futures.wait([previous._future])  # one save in flight at a time
-            specs, arrays = _specs_for(state_dict, self.shard_spec, self.rank, self.world_size)
-            del specs  # validated here; save_distributed re-derives them from shard_spec
-            staged = self._stage(arrays)
+            share = self._prepare(state_dict)
+            staged = share.with_arrays(self._stage(share.arrays))
             future = self._writer.submit(
-                save_distributed, staged, self.dir, self.rank, self.world_size,
+                write_share, staged, self.dir, self.rank, self.world_size,
                 self.shard_spec, step=step, keep_last=self.keep_last, extra=extra,
-                run_id=self.run_id)
+                run_id=self.run_id, started=started)
             handle = CheckpointFuture(future, step, time.perf_counter() - started)
             self._inflight = handle
             return handle
 
-    def reserve(self, state_dict: Mapping[str, Any]) -> int:
+    def reserve(self, state_dict: Any) -> int:
         """Allocate (and fault in) the staging buffers for ``state_dict`` ahead of time.
 
         Fresh memory is slow to touch the first time (page faults); calling this once at
@@ -184,8 +196,7 @@ class AsyncCheckpointer:
             previous = self._inflight
             if previous is not None:
                 concurrent.futures.wait([previous._future])
-            _, arrays = _specs_for(state_dict, self.shard_spec, self.rank, self.world_size)
-            self._stage(arrays)
+            self._stage(self._prepare(state_dict).arrays)
             return self.staging_bytes
 
     def close(self) -> None:
@@ -220,6 +231,10 @@ class AsyncCheckpointer:
         await self.aclose()
 
     # -- staging
+    def _prepare(self, state_dict: Any) -> PreparedShare:
+        """Validate and flatten ``state_dict`` exactly as ``save_distributed`` does."""
+        return prepare_share(state_dict, self.shard_spec, self.rank, self.world_size)
+
     def _stage(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         staged: dict[str, np.ndarray] = {}
         for name, array in arrays.items():

@@ -52,6 +52,7 @@ from netdist.checkpoint.storage import (
     write_bytes_atomic,
     write_safetensors,
 )
+from netdist.checkpoint.views import VIEW_NODE, TensorView, numpy_view
 from netdist.errors import CheckpointError, CheckpointMismatchError, ConfigError
 
 __all__ = [
@@ -245,16 +246,41 @@ def _objects_metadata(metadata: ShardMetadata, *, whole: bool) -> dict[str, str]
 TIED_POLICIES = ("copy", "drop")
 
 
-def _selected(metadata: ShardMetadata, prefix: str) -> list[tuple[str, str, bool]]:
-    """``(output name, stored tensor, is torch)`` for every tensor path under ``prefix``,
-    aliases (tied weights) included, in the saved order."""
+Row = tuple[str, str, bool, TensorView | None]
+"""``(output name, stored tensor, is torch, the view of it the path holds, if any)``."""
+
+
+def _selected(metadata: ShardMetadata, prefix: str) -> list[Row]:
+    """A row for every tensor path under ``prefix``, aliases (tied weights) and views
+    (windows into a tensor stored once for several overlapping ones) included, in the
+    saved order."""
+    rows: list[Row]
     if metadata.state is None:
-        rows = [(name, name, False) for name in metadata.tensor_specs]
+        rows = [(name, name, False, None) for name in metadata.tensor_specs]
     else:
-        rows = [(path, node["k"], bool(node.get("torch")))
+        rows = [(path, node["k"], bool(node.get("torch")),
+                 TensorView.from_node(node) if node["t"] == VIEW_NODE else None)
                 for path, node in skeleton_tensors(metadata.state.skeleton)]
-    return [(path[len(prefix):], stored, is_torch) for path, stored, is_torch in rows
+    return [(path[len(prefix):], stored, is_torch, view)
+            for path, stored, is_torch, view in rows
             if path.startswith(prefix) and len(path) > len(prefix)]
+
+
+def _view_chunks(reader: CheckpointReader, name: str, view: TensorView,
+                 dtype: np.dtype[Any]) -> Callable[[], Iterator[np.ndarray]]:
+    """A producer yielding ``view`` of the stored tensor ``name`` in one piece (the
+    stored tensor is read whole once; views are small windows in practice)."""
+    metadata = reader.metadata
+
+    def produce() -> Iterator[np.ndarray]:
+        spec = metadata.tensor_specs[name]
+        box = tuple((0, n) for n in spec.full_shape)
+        base = np.empty(spec.full_shape, dtype=dtype)
+        reader.read(plan_reads(metadata.tensor_specs, metadata.writers, {name: box}),
+                    {name: base})
+        yield np.ascontiguousarray(numpy_view(base, view))
+
+    return produce
 
 
 def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
@@ -271,6 +297,9 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
     ``prefix`` keeps only the tensors whose path starts with it and strips it, so
     ``prefix="model."`` turns ``{"model": model.state_dict(), "optim": ...}`` into the
     file ``safetensors.torch.load_file`` + ``model.load_state_dict(strict=True)`` expect.
+    A tensor saved as a view of one stored for several overlapping tensors is written
+    as its own copy (safetensors has no views; ``load_state_dict`` puts the values back
+    into a model's shared memory).
     A tied tensor (stored once in the checkpoint) is written under each of its names
     with ``tied="copy"`` (what ``load_state_dict(strict=True)`` needs), or under its first
     name only with ``tied="drop"`` (as ``save_pretrained`` does; ``from_pretrained`` ties
@@ -287,30 +316,39 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
     rows = _selected(metadata, prefix)
     if prefix and not rows:
         raise ConfigError(f"no tensor of {directory} has a name starting with {prefix!r}")
-    first_name: dict[str, str] = {}
+    first_name: dict[Any, str] = {}
     dropped: dict[str, str] = {}
-    for name, stored, _ in rows:
-        if stored in first_name and tied == "drop":
-            dropped[name] = first_name[stored]
-        first_name.setdefault(stored, name)
+    for name, stored, _, view in rows:
+        key = (stored, view)  # the same window of the same stored tensor: a tie
+        if key in first_name and tied == "drop":
+            dropped[name] = first_name[key]
+        first_name.setdefault(key, name)
     rows = [row for row in rows if row[0] not in dropped]
     file_metadata = _objects_metadata(metadata, whole=not prefix)
-    if rows and all(is_torch for _, _, is_torch in rows):
+    if rows and all(is_torch for _, _, is_torch, _ in rows):
         file_metadata["format"] = "pt"
         file_metadata["netdist.format"] = "netdist-consolidated"
     if dropped:
         file_metadata["netdist.tied"] = json.dumps(dropped)
-    total = sum(_nbytes(metadata.tensor_specs[stored]) for _, stored, _ in rows)
+    total = 0
+    for _, stored, _, view in rows:
+        spec = metadata.tensor_specs[stored]
+        total += _nbytes(spec) if view is None else \
+            view.numel * (CHECKPOINT_DTYPES[spec.dtype].itemsize if spec.dtype else 1)
     with CheckpointReader(directory, metadata, verify=verify) as reader:
         sources = []
-        for name, stored, _ in rows:
+        for name, stored, _, view in rows:
             spec = metadata.tensor_specs[stored]
             if spec.dtype is None:
                 raise CheckpointError(f"tensor {stored!r} has no dtype in the metadata")
+            dtype = CHECKPOINT_DTYPES[spec.dtype]
+            if view is not None:
+                sources.append(TensorSource(name, spec.dtype, view.shape,
+                                            chunks=_view_chunks(reader, stored, view, dtype)))
+                continue
             box = tuple((0, n) for n in spec.full_shape)
             sources.append(TensorSource(name, spec.dtype, spec.full_shape,
-                                        chunks=_chunks(reader, stored, box,
-                                                       CHECKPOINT_DTYPES[spec.dtype],
+                                        chunks=_chunks(reader, stored, box, dtype,
                                                        chunk_bytes)))
         with _writing(out):
             write_safetensors(out, sources, metadata=file_metadata,

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from netdist.checkpoint.dtypes import CHECKPOINT_DTYPES, dtype_name
+from netdist.checkpoint.views import VIEW_NODE, TensorView
 from netdist.errors import CheckpointCorruptError, CheckpointVersionError
 from netdist.sharding import chunk_bounds, chunk_sizes
 
@@ -388,18 +389,26 @@ class StateLayout:
                    {k: decode_object(v) for k, v in data.get("objects", {}).items()},
                    rank_objects)
 
-    def check(self, num_ranks: int, tensors: Mapping[str, Any]) -> None:
+    def check(self, num_ranks: int, tensors: Mapping[str, TensorShardSpec]) -> None:
         """``ValueError`` unless the layout can be rebuilt: one value per rank for each
-        per-rank key, and a skeleton whose leaves name known tensors and values."""
+        per-rank key, and a skeleton whose leaves name known tensors and values; a view
+        must lie inside a replicated tensor."""
         for key, values in self.rank_objects.items():
             if len(values) != num_ranks:
                 raise ValueError(f"per-rank value {key!r} has {len(values)} entries for "
                                  f"{num_ranks} ranks")
         for node in _skeleton_nodes(self.skeleton):
             kind = node.get("t")
-            if kind == "tensor" and node.get("k") not in tensors:
+            if kind in ("tensor", VIEW_NODE) and node.get("k") not in tensors:
                 raise ValueError(f"the state names tensor {node.get('k')!r:.60}, which the "
                                  f"checkpoint does not hold")
+            if kind == VIEW_NODE:
+                view = TensorView.from_node(node)
+                spec = tensors[view.base]
+                if spec.shard_dim is not None:
+                    raise ValueError(f"a view of {view.base!r}, which is sharded (views "
+                                     f"point into replicated tensors only)")
+                view.check(spec.full_shape)
             if kind == "object" and (not isinstance(node.get("k"), str) or (
                     node["k"] not in self.objects and node["k"] not in self.rank_objects)):
                 raise ValueError(f"the state names value {node.get('k')!r:.60}, which the "
@@ -418,10 +427,10 @@ def _skeleton_nodes(skeleton: Any) -> Iterator[dict[str, Any]]:
     while stack:
         node = stack.pop()
         if not isinstance(node, dict) or node.get("t") not in (
-                "tensor", "object", "dict", "list", "tuple"):
+                "tensor", VIEW_NODE, "object", "dict", "list", "tuple"):
             raise ValueError(f"malformed state skeleton node {node!r:.80}")
         yield node
-        if node["t"] in ("tensor", "object"):
+        if node["t"] in ("tensor", VIEW_NODE, "object"):
             continue
         items = node.get("items")
         if not isinstance(items, list):

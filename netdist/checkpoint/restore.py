@@ -17,10 +17,16 @@ With ``like``:
   created, and the whole sub-tree is handed to its ``load_state_dict()`` after reading
   (``strict`` is passed on to modules);
 - tied tensors come back tied: names the checkpoint stores once are read once, and a
-  rebuilt sub-tree holds one tensor under every name.
+  rebuilt sub-tree holds one tensor under every name;
+- a tensor saved as a view (a window into a tensor stored once for several partly
+  overlapping ones, :mod:`netdist.checkpoint.views`) is copied out of the stored tensor
+  after reading, which is nothing to do when ``like`` holds it as that same window of
+  the stored tensor's destination (a model whose slice is a view of its weight: the
+  weight is read in place and the slice, sharing its memory, with it).
 
 Without ``like`` the saved tree is rebuilt with fresh arrays; leaves that were torch
-tensors come back as torch tensors (when torch is importable), and bfloat16 without
+tensors come back as torch tensors (when torch is importable), views as views of their
+stored tensor's fresh array (sharing its memory, as they did), and bfloat16 without
 ``ml_dtypes`` comes back as ``torch.bfloat16`` or, without torch either, as a clear
 ``CheckpointMismatchError`` raised before any byte is read.
 """
@@ -30,7 +36,7 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -53,6 +59,7 @@ from netdist.checkpoint.state import (
     subtree_objects,
     unflatten_state,
 )
+from netdist.checkpoint.views import VIEW_NODE, TensorView, numpy_view, same_memory
 from netdist.errors import CheckpointCorruptError, CheckpointMismatchError
 from netdist.sharding import chunk_bounds
 
@@ -67,6 +74,7 @@ __all__ = [
     "full_box",
     "pick_object",
     "per_rank_error",
+    "view_leaf",
 ]
 
 
@@ -82,18 +90,24 @@ def check_rank_objects(policy: str) -> None:
 @dataclass(frozen=True, slots=True)
 class RestorePlan:
     """What one rank reads (``wanted`` box of each tensor, into ``dests``), the extra
-    destinations that receive a copy of a tensor read once (``copies``), and ``finish``,
-    which builds the result after reading."""
+    destinations that receive a copy of a tensor read once (``copies``) or of a view
+    into one (``view_copies``), and ``finish``, which builds the result after reading."""
 
     wanted: dict[str, Box]
     dests: dict[str, np.ndarray]
     copies: list[tuple[str, np.ndarray]]
     finish: Callable[[], Any]
+    view_copies: list[tuple[TensorView, np.ndarray]] = field(default_factory=list)
 
     def complete(self) -> Any:
-        """Copy tied destinations, then build the result (calls ``load_state_dict``)."""
+        """Copy tied destinations and views, then build the result (calls
+        ``load_state_dict``)."""
         for name, dest in self.copies:
             np.copyto(dest, self.dests[name])
+        for view, dest in self.view_copies:
+            source = numpy_view(np.ascontiguousarray(self.dests[view.base]), view)
+            if not same_memory(source, dest):  # a view of the destination already
+                np.copyto(dest, source)
         return self.finish()
 
 
@@ -224,9 +238,16 @@ def _under(key: str, prefixes: list[str]) -> bool:
     return any(key == p or key.startswith(p + SEPARATOR) for p in prefixes)
 
 
-def _same_view(a: np.ndarray, b: np.ndarray) -> bool:
-    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-            and a.strides == b.strides and a.shape == b.shape and a.dtype == b.dtype)
+def view_leaf(leaf: Any, view: TensorView) -> Any:
+    """``view`` of a restored stored tensor ``leaf``: a tensor or array sharing its memory
+    (of a contiguous copy when ``leaf`` is not contiguous)."""
+    if isinstance(leaf, ShardedArray):  # one that covers the whole tensor
+        leaf = leaf.data
+    if is_torch_tensor(leaf):
+        from netdist.checkpoint.torch_state import torch_view
+
+        return torch_view(leaf if leaf.is_contiguous() else leaf.contiguous(), view)
+    return numpy_view(np.ascontiguousarray(leaf), view)
 
 
 class _Targets:
@@ -237,6 +258,7 @@ class _Targets:
         self.wanted: dict[str, Box] = {}
         self.dests: dict[str, np.ndarray] = {}
         self.copies: list[tuple[str, np.ndarray]] = []
+        self.view_copies: list[tuple[TensorView, np.ndarray]] = []
         self.leaves: dict[str, Any] = {}
 
     def claim(self, name: str, box: Box, dest: np.ndarray, leaf: Any) -> None:
@@ -245,7 +267,7 @@ class _Targets:
             if self.wanted[name] != box:
                 raise CheckpointMismatchError(
                     f"tensor {name!r} is wanted as two different regions by `like`")
-            if not _same_view(self.dests[name], dest):
+            if not same_memory(self.dests[name], dest):
                 self.copies.append((name, dest))
             return
         self.wanted[name], self.dests[name] = box, dest
@@ -267,12 +289,49 @@ class _Targets:
         self.claim(name, box, dest, leaf)
         return leaf
 
+    def base(self, view: TensorView, path: str, as_torch: bool) -> Any:
+        """The leaf the stored tensor of ``view`` is read into whole (claimed fresh, as
+        scratch, when nothing claimed it yet)."""
+        box = full_box(self.specs[view.base].full_shape)
+        if view.base not in self.wanted:
+            return self.fresh(view.base, box, as_torch)
+        if self.wanted[view.base] != box:
+            raise CheckpointMismatchError(
+                f"{path!r} is saved as a view of {view.base!r}, which `like` holds only "
+                f"in part; hold {view.base!r} whole (not as a ShardedArray)")
+        return self.leaves[view.base]
+
+    def view_into(self, path: str, view: TensorView, value: Any) -> None:
+        """Have ``like``'s tensor ``value`` at ``path`` receive the saved view ``view``."""
+        if isinstance(value, ShardedArray):
+            raise CheckpointMismatchError(
+                f"{path!r} is saved as a view of {view.base!r}: `like` must hold it whole, "
+                f"not as a ShardedArray")
+        dest = leaf_array(value, path)
+        spec = self.specs[view.base]
+        if spec.dtype is not None and dest.dtype != CHECKPOINT_DTYPES[spec.dtype]:
+            raise CheckpointMismatchError(
+                f"tensor {path!r}: checkpoint has dtype {spec.dtype}, target has "
+                f"{_dtype_text(dest.dtype)}")
+        if tuple(dest.shape) != view.shape:
+            raise CheckpointMismatchError(
+                f"tensor {path!r}: target shape {tuple(dest.shape)} does not match the "
+                f"saved {view.shape}")
+        if not dest.flags.writeable:
+            raise CheckpointMismatchError(f"{path!r}: `like` must hold writeable arrays")
+        self.base(view, path, as_torch=False)
+        self.view_copies.append((view, dest))
+
 
 def _saved_paths(metadata: ShardMetadata) -> dict[str, dict[str, Any]]:
     """Every saved tensor path (aliases included) -> its skeleton node."""
     if metadata.state is None:
         return {name: {"t": "tensor", "k": name} for name in metadata.tensor_specs}
     return dict(skeleton_tensors(metadata.state.skeleton))
+
+
+def _view(node: Mapping[str, Any]) -> TensorView | None:
+    return TensorView.from_node(node) if node.get("t") == VIEW_NODE else None
 
 
 def _torch_names(metadata: ShardMetadata) -> set[str]:
@@ -300,7 +359,7 @@ def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int,
             and rank_objects in ("error", "like")):
         mapped: set[str] = set()
         if like is not None and rank_objects == "like":
-            mapped = set(flatten_state(like).objects)
+            mapped = set(flatten_state(like, merge_views=False).objects)
         unmapped = sorted(set(layout.rank_objects) - mapped)
         if unmapped:
             raise per_rank_error(unmapped, metadata.num_ranks, world_size)
@@ -313,7 +372,7 @@ def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int,
         return pick_object(key, layout, rank, world_size, metadata.num_ranks, rank_objects,
                            like_objects)
 
-    flat = flatten_state(like, keep_statefuls=True)
+    flat = flatten_state(like, keep_statefuls=True, merge_views=False)
     saved = _saved_paths(metadata)
     stateful_paths = [slot.path for slot in flat.statefuls]
 
@@ -330,12 +389,19 @@ def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int,
                 f"the checkpoint has tensors that `like` lacks: {unexpected} (pass "
                 f"strict=False to ignore them; to have an optimizer's state created, put "
                 f"the optimizer itself in `like`, not its state_dict())")
+    views: list[tuple[str, TensorView, Any]] = []
     for path in like_paths:
         value = flat.tensors[flat.aliases.get(path, path)]
+        view = _view(saved[path])
+        if view is not None:  # once every stored tensor has its destination
+            views.append((path, view, value))
+            continue
         name = saved[path]["k"]
         box, dest = _like_destination(name, path, specs[name], value, rank, world_size,
                                       extents)
         targets.claim(name, box, dest, value)
+    for path, view, value in views:
+        targets.view_into(path, view, value)
 
     # 2. plain values outside stateful objects
     loaded_objects: dict[str, Any] = {}
@@ -369,7 +435,8 @@ def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int,
         return unflatten_state(flat.skeleton, flat.tensors, loaded_objects,
                                {slot.path: slot.obj for slot in flat.statefuls})
 
-    return RestorePlan(targets.wanted, targets.dests, targets.copies, finish)
+    return RestorePlan(targets.wanted, targets.dests, targets.copies, finish,
+                       targets.view_copies)
 
 
 def _like_destination(name: str, path: str, spec: TensorShardSpec, value: Any, rank: int,
@@ -413,7 +480,7 @@ def _plan_stateful(path: str, obj: Any, sub: Any, targets: _Targets,
     """Claim destinations for the saved sub-tree ``sub`` of a stateful at ``path``;
     return the step that hands the rebuilt sub-tree to its ``load_state_dict``."""
     current_state = obj.state_dict()
-    current = flatten_state(current_state, prefix=path)
+    current = flatten_state(current_state, prefix=path, merge_views=False)
     saved_here = dict(skeleton_tensors(sub, path))
     if strict:
         held = [*current.tensors, *current.aliases]
@@ -427,22 +494,38 @@ def _plan_stateful(path: str, obj: Any, sub: Any, targets: _Targets,
             raise CheckpointMismatchError(
                 f"the checkpoint has tensors that {path!r} ({type(obj).__name__}) lacks: "
                 f"{unexpected} (pass strict=False to ignore them)")
+    views: list[tuple[str, TensorView, Any, bool]] = []
+    holds_torch = any(is_torch_tensor(v) for v in current.tensors.values())
     for tensor_path, node in saved_here.items():
+        value = current.tensors.get(current.aliases.get(tensor_path, tensor_path))
+        as_torch = bool(node.get("torch")) or holds_torch
+        view = _view(node)
+        if view is not None:  # once every stored tensor has its destination
+            views.append((tensor_path, view, value, as_torch))
+            continue
         name = node["k"]
         if name in targets.leaves:
             continue
-        value = current.tensors.get(current.aliases.get(tensor_path, tensor_path))
         box = full_box(targets.specs[name].full_shape)
         if value is not None and not isinstance(value, ShardedArray):
             targets.claim(name, box, leaf_array(value, name), value)
         else:
-            as_torch = bool(node.get("torch")) or any(is_torch_tensor(v) for v in
-                                                      current.tensors.values())
             targets.fresh(name, box, as_torch)
+    view_leaves: dict[str, Any] = {}
+    lacking_views: list[tuple[str, TensorView]] = []
+    for tensor_path, view, value, as_torch in views:
+        if value is not None and not isinstance(value, ShardedArray):
+            targets.view_into(tensor_path, view, value)  # filled in place
+            view_leaves[tensor_path] = value
+        else:  # state the object lacks (lazily created): a view of the stored tensor
+            targets.base(view, tensor_path, as_torch)
+            lacking_views.append((tensor_path, view))
     objects = {key: pick(key, current.objects) for key in subtree_objects(sub)}
 
     def apply() -> None:
-        tree = unflatten_state(sub, targets.leaves, objects)
+        for tensor_path, view in lacking_views:  # after reading: the base holds its bytes
+            view_leaves[tensor_path] = view_leaf(targets.leaves[view.base], view)
+        tree = unflatten_state(sub, targets.leaves, objects, views=view_leaves, prefix=path)
         apply_state(obj, tree, current_state, strict=strict, path=path)
 
     return apply
@@ -466,5 +549,10 @@ def _plan_fresh(metadata: ShardMetadata, targets: _Targets, rank: int, world_siz
     objects = {key: pick_object(key, layout, rank, world_size, metadata.num_ranks,
                                 rank_objects, None)
                for key in [*layout.objects, *layout.rank_objects]}
+    views = {}  # views share the memory of their stored tensor's fresh leaf
+    for path, node in skeleton_tensors(layout.skeleton):
+        view = _view(node)
+        if view is not None:
+            views[path] = view_leaf(leaves[view.base], view)
     return RestorePlan(targets.wanted, targets.dests, targets.copies,
-                       lambda: unflatten_state(layout.skeleton, leaves, objects))
+                       lambda: unflatten_state(layout.skeleton, leaves, objects, views=views))

@@ -19,7 +19,11 @@ without ``like`` hands back torch tensors. Torch tensors that are the same view 
 same memory (tied weights: ``state_dict()`` gives each name its own detached view) are
 one tensor: the first name holds it, later names are aliases whose skeleton node names
 the first (``{"t": "tensor", "k": "<first name>"}``), so it is stored once and a load
-rebuilds one tensor under both names. NumPy arrays are never merged this way.
+rebuilds one tensor under both names. Torch tensors that partly overlap in one storage
+(a tensor and a slice of it) are stored once too: the region they cover is one stored
+tensor and the others become *view* nodes into it (:mod:`netdist.checkpoint.views`),
+which a load turns back into views of one storage. NumPy arrays are never merged this
+way.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from netdist.checkpoint.metadata import StateLayout, decode_object, encode_object
-from netdist.errors import CheckpointMismatchError
+from netdist.checkpoint.views import VIEW_NODE, TensorView
+from netdist.errors import CheckpointCorruptError, CheckpointMismatchError
 
 __all__ = [
     "ShardedArray",
@@ -110,7 +115,9 @@ class FlatState:
     """A flattened state: ``tensors`` by name, ``objects`` by path, and the skeleton.
 
     ``aliases`` maps the path of every later name of a tied tensor to the name holding
-    it; ``statefuls`` lists the stateful objects left unexpanded (``keep_statefuls``).
+    it; ``views`` maps the path of every tensor stored as a window into another stored
+    tensor (partial overlap, ``merge_views``) to that window; ``statefuls`` lists the
+    stateful objects left unexpanded (``keep_statefuls``).
     """
 
     tensors: dict[str, Any]
@@ -118,6 +125,7 @@ class FlatState:
     skeleton: Any
     aliases: dict[str, str] = field(default_factory=dict)
     statefuls: list[StatefulSlot] = field(default_factory=list)
+    views: dict[str, TensorView] = field(default_factory=dict)
 
 
 def _is_leaf_tensor(value: Any) -> bool:
@@ -152,14 +160,17 @@ def _expand(value: Any, keys: tuple[Any, ...], path: str, keep: bool) -> Any:
     return value
 
 
-def flatten_state(state: Any, *, keep_statefuls: bool = False, prefix: str = "") -> FlatState:
+def flatten_state(state: Any, *, keep_statefuls: bool = False, prefix: str = "",
+                  merge_views: bool = True) -> FlatState:
     """Split ``state`` into named tensors, named objects and a JSON skeleton.
 
     Stateful objects are replaced by their ``state_dict()``; with ``keep_statefuls`` they
     are left whole instead (skeleton node ``{"t": "stateful", "k": path}``) and listed in
     ``statefuls`` (a load restores them through ``load_state_dict``). ``prefix`` names
     the position of ``state`` in a larger tree. Raises ``ValueError`` when two paths
-    collide (``{"a.b": x, "a": {"b": y}}``).
+    collide (``{"a.b": x, "a": {"b": y}}``). ``merge_views`` (what a save wants) stores
+    torch tensors that partly overlap once (module docstring); a load flattens ``like``
+    without it, so that every path of ``like`` keeps its own destination.
     """
     tensors: dict[str, Any] = {}
     objects: dict[str, Any] = {}
@@ -167,6 +178,7 @@ def flatten_state(state: Any, *, keep_statefuls: bool = False, prefix: str = "")
     statefuls: list[StatefulSlot] = []
     seen: set[str] = set()
     owners: dict[tuple[Any, ...], str] = {}
+    nodes: dict[str, dict[str, Any]] = {}
 
     def claim(path: str) -> str:
         if path in seen:
@@ -180,6 +192,7 @@ def flatten_state(state: Any, *, keep_statefuls: bool = False, prefix: str = "")
         claim(path)
         data = value.data if isinstance(value, ShardedArray) else value
         node: dict[str, Any] = {"t": "tensor", "k": path}
+        nodes[path] = node
         if is_torch_tensor(data):
             node["torch"] = True
             if not isinstance(value, ShardedArray):
@@ -219,7 +232,54 @@ def flatten_state(state: Any, *, keep_statefuls: bool = False, prefix: str = "")
 
     expanded = _expand(state, (), prefix, keep_statefuls)
     skeleton = walk(expanded, prefix)
-    return FlatState(tensors, objects, skeleton, aliases, statefuls)
+    views: dict[str, TensorView] = {}
+    if merge_views and any(is_torch_tensor(v) for v in tensors.values()):
+        tensors = _merge_views(tensors, nodes, aliases, views, seen)
+    return FlatState(tensors, objects, skeleton, aliases, statefuls, views)
+
+
+def _merge_views(tensors: dict[str, Any], nodes: Mapping[str, dict[str, Any]],
+                 aliases: dict[str, str], views: dict[str, TensorView],
+                 seen: set[str]) -> dict[str, Any]:
+    """Fold torch tensors that partly overlap into one stored tensor each (their nodes
+    become view nodes, in place); return the new ``tensors``, in the old order with a
+    region taking the place of its first path."""
+    from netdist.checkpoint.torch_state import overlap_groups
+
+    taken = set(seen)
+
+    def region_name(first: str) -> str:
+        name, n = f"{first}#storage", 1
+        while name in taken:
+            n += 1
+            name = f"{first}#storage{n}"
+        taken.add(name)
+        return name
+
+    regions: dict[str, tuple[str, Any]] = {}
+    for group in overlap_groups(tensors, region_name):
+        if group.region:  # stored where its first path was (views are in path order)
+            regions[next(iter(group.views))] = (group.base, group.stored)
+        views.update(group.views)
+    if not views:
+        return tensors
+    for alias, owner in list(aliases.items()):
+        if owner in views:
+            views[alias] = views[owner]
+            del aliases[alias]
+    for path, view in views.items():
+        node = nodes[path]
+        torch = bool(node.get("torch"))
+        node.clear()
+        node.update(view.to_node(torch))
+    merged: dict[str, Any] = {}
+    for path, value in tensors.items():
+        if path in regions:
+            name, stored = regions[path]
+            merged[name] = stored
+        if path not in views:
+            merged[path] = value
+    return merged
 
 
 def _join(prefix: str, key: str) -> str:
@@ -227,33 +287,45 @@ def _join(prefix: str, key: str) -> str:
 
 
 def unflatten_state(skeleton: Any, tensors: Mapping[str, Any], objects: Mapping[str, Any],
-                    statefuls: Mapping[str, Any] | None = None) -> Any:
+                    statefuls: Mapping[str, Any] | None = None,
+                    views: Mapping[str, Any] | None = None, prefix: str = "") -> Any:
     """Rebuild the tree described by ``skeleton`` from ``tensors`` and ``objects`` (and,
-    for ``stateful`` nodes, ``statefuls`` by path). Aliases of one tensor come back as
+    for ``stateful`` nodes, ``statefuls`` by path; for view nodes, ``views`` by path, the
+    path of ``skeleton`` itself being ``prefix``). Aliases of one tensor come back as
     the same object."""
     kind = skeleton["t"]
     if kind == "tensor":
         return tensors[skeleton["k"]]
+    if kind == VIEW_NODE:
+        if views is None or prefix not in views:
+            raise CheckpointCorruptError(f"no tensor was rebuilt for the view {prefix!r}")
+        return views[prefix]
     if kind == "object":
         return objects[skeleton["k"]]
     if kind == "stateful":
         return (statefuls or {})[skeleton["k"]]
     if kind == "dict":
-        return {decode_object(k): unflatten_state(child, tensors, objects, statefuls)
-                for k, child in skeleton["items"]}
-    children = [unflatten_state(child, tensors, objects, statefuls)
-                for child in skeleton["items"]]
+        out = {}
+        for k, child in skeleton["items"]:
+            key = decode_object(k)
+            out[key] = unflatten_state(child, tensors, objects, statefuls, views,
+                                       _join(prefix, str(key)))
+        return out
+    children = [unflatten_state(child, tensors, objects, statefuls, views,
+                                _join(prefix, str(i)))
+                for i, child in enumerate(skeleton["items"])]
     return tuple(children) if kind == "tuple" else children
 
 
 def skeleton_tensors(skeleton: Any, prefix: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(path, node)`` of every tensor node of a skeleton, aliases included (their node's
-    ``"k"`` names the tensor holding the data)."""
+    """``(path, node)`` of every tensor node of a skeleton, aliases (their node's ``"k"``
+    names the tensor holding the data) and view nodes (``"t": "view"``, a window into
+    the tensor ``"k"`` names) included, in the order of the tree."""
     stack: list[tuple[Any, str]] = [(skeleton, prefix)]
     while stack:
         node, path = stack.pop()
         kind = node["t"]
-        if kind == "tensor":
+        if kind in ("tensor", VIEW_NODE):
             yield path, node
         elif kind == "dict":
             stack.extend((child, _join(path, str(decode_object(key))))

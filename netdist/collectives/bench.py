@@ -13,6 +13,10 @@ on group rank 0. Conventions follow nccl-tests so figures compare directly:
 - timed iterations run on a buffer whose values do not change the cost (zeros), then one
   extra call with rank-dependent data is checked exactly against its closed form.
 
+``dtype="bfloat16"`` needs no extra package: without ``ml_dtypes`` the buffers hold the
+raw bits (``netdist.types.BFLOAT16``), and the check's integers go in and out through
+float32, which holds them exactly.
+
 Pure helpers (size parsing, formatting) have no I/O; the driver is ``run_benchmark``.
 """
 
@@ -30,7 +34,13 @@ import numpy as np
 
 from netdist.collectives.group import Group
 from netdist.sharding import chunk_bounds
-from netdist.types import ReduceOp
+from netdist.types import (
+    BFLOAT16,
+    ReduceOp,
+    bfloat16_to_float32,
+    float32_to_bfloat16,
+    is_bfloat16,
+)
 
 __all__ = [
     "BenchRow",
@@ -144,9 +154,31 @@ def _count_for(op: str, size: int, itemsize: int, n: int) -> int:
     return count
 
 
+def _dtype(name: str) -> np.dtype[Any]:
+    """The dtype benchmarked as ``name``: bfloat16 is ``BFLOAT16`` (raw bits without
+    ml_dtypes), everything else NumPy's own."""
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
 def _pattern(count: int, dtype: np.dtype[Any]) -> np.ndarray:
-    """Small positive integers (1..13): exact in every float dtype after sums."""
-    return (np.arange(count, dtype=np.int64) % 13 + 1).astype(dtype)
+    """Small positive integers as int64: 1..13, whose sums over the ranks stay exact in
+    every float dtype; 1..3 for bfloat16 (8 significant bits: exact up to 12 ranks)."""
+    return np.arange(count, dtype=np.int64) % (3 if is_bfloat16(dtype) else 13) + 1
+
+
+def _as(values: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
+    """Integer ``values`` in ``dtype`` (bfloat16 through float32, exact for them)."""
+    if is_bfloat16(dtype):
+        return float32_to_bfloat16(values.astype(np.float32), out=np.empty(values.shape, dtype))
+    return values.astype(dtype)
+
+
+def _same(got: np.ndarray, expected: np.ndarray) -> bool:
+    """Exact equality of ``got`` with integer ``expected`` cast to its dtype (so integer
+    types wrap alike); bfloat16 compared through float32."""
+    if is_bfloat16(got.dtype):
+        return np.array_equal(bfloat16_to_float32(got), expected)
+    return np.array_equal(got, expected.astype(got.dtype))
 
 
 async def _timed(group: Group, op: str, count: int, dtype: np.dtype[Any], iters: int,
@@ -200,27 +232,27 @@ async def _check(group: Group, op: str, count: int, dtype: np.dtype[Any],
     rank = group.rank
     base = _pattern(count, dtype)
     if op == "all_reduce":
-        buf = base * (rank + 1)
+        buf = _as(base * (rank + 1), dtype)
         await group.all_reduce(buf, timeout=timeout)
-        expected = base * (n * (n + 1) // 2)
-        ok = np.array_equal(buf, expected)
+        ok = _same(buf, base * (n * (n + 1) // 2))
     elif op == "reduce_scatter":
         a, b = chunk_bounds(count, n)[rank]
-        shard = await group.reduce_scatter(base * (rank + 1), ReduceOp.SUM, timeout=timeout)
-        ok = np.array_equal(shard, base[a:b] * (n * (n + 1) // 2))
+        shard = await group.reduce_scatter(_as(base * (rank + 1), dtype), ReduceOp.SUM,
+                                           timeout=timeout)
+        ok = _same(shard, base[a:b] * (n * (n + 1) // 2))
     elif op == "all_gather":
         bounds = chunk_bounds(count, n)
         a, b = bounds[rank]
         out = np.zeros(count, dtype)
-        await group.all_gather(base[a:b] + rank, out=out, timeout=timeout)
+        await group.all_gather(_as(base[a:b] + rank, dtype), out=out, timeout=timeout)
         expected = base.copy()
         for r, (lo, hi) in enumerate(bounds):
             expected[lo:hi] += r
-        ok = np.array_equal(out, expected)
+        ok = _same(out, expected)
     elif op == "broadcast":
-        buf = base.copy() if rank == 0 else np.zeros(count, dtype)
+        buf = _as(base, dtype) if rank == 0 else np.zeros(count, dtype)
         await group.broadcast(buf, 0, timeout=timeout)
-        ok = np.array_equal(buf, base)
+        ok = _same(buf, base)
     else:
         return "-"
     flags = await group.all_gather_object(bool(ok), timeout=timeout)
@@ -241,7 +273,7 @@ async def run_benchmark(group: Group, op: str, sizes: Sequence[int], *, iters: i
         raise ValueError(f"unknown collective {op!r} (expected one of {', '.join(OPS)})")
     if iters < 1 or warmup < 0:
         raise ValueError("iters must be >= 1 and warmup >= 0")
-    dt = np.dtype(dtype)
+    dt = _dtype(dtype)
     n = group.world_size
     rows = []
     for size in ([0] if op == "barrier" else sizes):
@@ -254,7 +286,8 @@ async def run_benchmark(group: Group, op: str, sizes: Sequence[int], *, iters: i
         nbytes = count * dt.itemsize
         median = float(statistics.median(per_iter))
         algbw = nbytes / median / 1e9 if median > 0 and nbytes else 0.0
-        row = BenchRow(op, n, nbytes, count, dt.name, iters, median * 1e6,
+        name = "bfloat16" if is_bfloat16(dt) else dt.name
+        row = BenchRow(op, n, nbytes, count, name, iters, median * 1e6,
                        float(per_iter.min()) * 1e6, float(per_iter.max()) * 1e6,
                        algbw, algbw * busbw_factor(op, n), verdict)
         rows.append(row)

@@ -14,6 +14,11 @@ all-gather split rule -- gives for a padded buffer)::
 Everything here is a pure function of shapes: every rank builds the same layout, which is
 what lets the ranks issue their collectives in the same order. Nothing here imports
 ``asyncio`` or ``socket``.
+
+dtypes: a layout names its dtype by its wire name (``"float32"``, ``"bfloat16"``, ...);
+``np_dtype`` is the NumPy dtype of its buffers. bfloat16 needs no extra package: its
+buffers are ``netdist.types.BFLOAT16`` (``ml_dtypes.bfloat16``, or the raw bits without
+it), and ``flatten`` takes CPU torch tensors (``netdist.tensors``) as well as arrays.
 """
 
 from __future__ import annotations
@@ -25,8 +30,12 @@ from typing import Any
 import numpy as np
 
 from netdist.sharding import chunk_bounds, padded_size
+from netdist.tensors import as_array, is_tensor
+from netdist.types import BFLOAT16, is_bfloat16
 
 __all__ = [
+    "layout_dtype",
+    "dtype_name",
     "ParamSlot",
     "ShardPiece",
     "FlatParamLayout",
@@ -40,6 +49,23 @@ def _check_int(value: Any, what: str, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{what} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def layout_dtype(dtype: Any) -> np.dtype[Any]:
+    """The NumPy dtype of flat buffers for ``dtype`` (a dtype or a layout's dtype name):
+    any bfloat16 (``"bfloat16"``, ``ml_dtypes.bfloat16``, ``BFLOAT16_RAW``) is
+    ``BFLOAT16``, whether ``ml_dtypes`` is installed or not."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        return BFLOAT16
+    dt = np.dtype(dtype)
+    return BFLOAT16 if is_bfloat16(dt) else dt
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name a layout records for ``dtype``: ``"bfloat16"`` for any bfloat16, else
+    NumPy's name."""
+    dt = layout_dtype(dtype)
+    return "bfloat16" if is_bfloat16(dt) else dt.name
 
 
 def plan_units(param_counts: Sequence[int], min_params: int = 0) -> tuple[tuple[int, int], ...]:
@@ -113,7 +139,7 @@ class FlatParamLayout:
         shards = _check_int(num_shards, "num_shards", 1)
         if len(names) != len(shapes):
             raise ValueError(f"{len(names)} names for {len(shapes)} shapes")
-        dt = np.dtype(dtype)
+        dtype_label = dtype_name(dtype)
         slots = []
         offset = 0
         for name, shape in zip(names, shapes):
@@ -122,11 +148,16 @@ class FlatParamLayout:
             slots.append(ParamSlot(str(name), dims, offset, numel))
             offset += numel
         padded = padded_size(offset, shards)
-        return cls(tuple(slots), dt.name, shards, offset, padded, padded // shards)
+        return cls(tuple(slots), dtype_label, shards, offset, padded, padded // shards)
+
+    @property
+    def np_dtype(self) -> np.dtype[Any]:
+        """The dtype of this layout's buffers (``layout_dtype(self.dtype)``)."""
+        return layout_dtype(self.dtype)
 
     @property
     def itemsize(self) -> int:
-        return np.dtype(self.dtype).itemsize
+        return self.np_dtype.itemsize
 
     @property
     def padding(self) -> int:
@@ -170,20 +201,37 @@ class FlatParamLayout:
             sizes.append(max(0, hi - lo))
         return tuple(sizes)
 
-    def flatten(self, arrays: Sequence[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
-        """Copy ``arrays`` (one per slot, matching shapes) into a padded flat buffer."""
+    def flatten(self, arrays: Sequence[Any], out: np.ndarray | None = None) -> np.ndarray:
+        """Copy ``arrays`` (one per slot, matching shapes; NumPy arrays or CPU tensors)
+        into a padded flat buffer.
+
+        Values are converted to the layout's dtype as NumPy assigns them, except that
+        bfloat16 goes only to and from bfloat16 (``TypeError`` naming the parameter
+        otherwise: a silent cast of float bits to bfloat16 or back would be a rounding
+        nobody asked for).
+        """
         if len(arrays) != len(self.slots):
             raise ValueError(f"{len(arrays)} arrays for {len(self.slots)} parameter slots")
+        dtype = self.np_dtype
         if out is None:
-            out = np.zeros(self.padded_numel, self.dtype)
+            out = np.zeros(self.padded_numel, dtype)
         elif out.shape != (self.padded_numel,):
             raise ValueError(f"out has shape {out.shape}, expected ({self.padded_numel},)")
+        bf16 = is_bfloat16(dtype)
         for slot, array in zip(self.slots, arrays):
-            value = np.asarray(array)
+            what = f"parameter {slot.name!r}"
+            value = as_array(array, what) if is_tensor(array) else np.asarray(array)
             if value.shape != slot.shape:
-                raise ValueError(f"parameter {slot.name!r}: shape {value.shape}, layout "
-                                 f"has {slot.shape}")
-            out[slot.offset:slot.offset + slot.numel] = value.reshape(-1)
+                raise ValueError(f"{what}: shape {value.shape}, layout has {slot.shape}")
+            if is_bfloat16(value.dtype) != bf16:
+                raise TypeError(f"{what}: dtype {dtype_name(value.dtype)}, layout has "
+                                f"{self.dtype}; convert it first (bfloat16 is never cast "
+                                "implicitly)")
+            target = out[slot.offset:slot.offset + slot.numel]
+            if bf16:  # copy the bits: ml_dtypes' type and the raw bits are the same data
+                target.view(np.uint16)[...] = value.view(np.uint16).reshape(-1)
+            else:
+                target[...] = value.reshape(-1)
         out[self.numel:] = 0
         return out
 

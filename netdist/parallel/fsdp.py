@@ -88,6 +88,29 @@ Parameters are always saved flattened (``shapes`` gives the original shapes), so
 checkpoint written under any strategy or world size loads under any other.
 ``full_state_dict(rank0_only=True)`` gathers whole parameters (original shapes).
 
+Torch tensors. Wherever FSDP takes or gives arrays it takes CPU torch tensors too,
+through ``netdist.tensors`` (zero-copy views; a non-CPU tensor is a ``ValueError`` naming
+its device):
+
+- ``forward(x)`` and ``backward(grad)`` give back the kind they were given: a tensor for
+  a tensor, an array for an array.
+- A module whose parameters hold tensors (``p.data`` a ``torch.Tensor``: layers that
+  compute with torch under the Module API) stays a torch module: ``p.data`` and
+  ``p.grad`` become tensors over FSDP's flat buffers (views, so backward's in-place
+  ``p.grad += g`` lands in them), its layers get tensors (a NumPy input is wrapped,
+  copied first only if it is read-only), and ``full_state_dict``,
+  ``full_optim_state_dict``, ``sharded_state_dict`` (views, so in-place loads still
+  land), ``local_shards`` and ``local_grad_shards`` return tensors. All parameters of
+  a module must be of one kind.
+- ``load_full_state_dict`` and ``load_sharded_state_dict`` take tensors (a
+  ``state_dict()``, ``dict(named_parameters())``) whatever the module holds.
+
+bfloat16 parameters (``torch.bfloat16`` tensors, or ``ml_dtypes.bfloat16`` arrays) need
+no extra package: FSDP gathers them, averages their gradients as torch rounds (float32
+per step, rounded to nearest even), clips them and steps them (``ShardedOptimizer.apply``:
+float32 arithmetic, rounded back once per step). bfloat16 is never cast implicitly: a
+state dict must hold bfloat16 for bfloat16 parameters.
+
 Failure: a collective that times out or loses a peer raises its ``netdist.errors``
 exception; outstanding collectives issued by FSDP are cancelled, gathered buffers
 released, and the group's tag stream is out of step (treat the group as broken).
@@ -109,9 +132,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from netdist.collectives import CollectiveMismatchError
-from netdist.parallel.flat_param import FlatParamLayout, plan_units
+from netdist.parallel.flat_param import FlatParamLayout, dtype_name, layout_dtype, plan_units
 from netdist.parallel.sharded_optim import ShardedOptimizer, sharded_optimizer_from
-from netdist.types import ReduceOp
+from netdist.parallel.tensor_kind import array_of, holds_tensors, tensor_of
+from netdist.tensors import as_array, is_tensor, to_tensor
+from netdist.types import (
+    ReduceOp,
+    bfloat16_to_float32,
+    float32_to_bfloat16,
+    is_bfloat16,
+    reduce_into,
+)
 
 if TYPE_CHECKING:
     from netdist.collectives import Group
@@ -225,14 +256,15 @@ class ShardedStateDict:
     """What this rank owns: local 1-D pieces of each flattened tensor, and their specs.
 
     ``tensors[name]`` views live storage (writing into it, e.g. by an in-place
-    checkpoint load, changes the model). ``specs[name]`` holds ``full_shape``,
+    checkpoint load, changes the model): NumPy views, or tensors over them for a module
+    whose parameters are tensors. ``specs[name]`` holds ``full_shape``,
     ``shard_dim`` (0, or None for replicated), ``shard_sizes`` (per *world* rank) and
     ``dtype``: the arguments of ``netdist.checkpoint.TensorShardSpec``. ``shapes`` maps
     each parameter to its original shape; ``step`` and ``hyperparams`` describe the
     optimizer (``hyperparams`` is empty without one).
     """
 
-    tensors: dict[str, np.ndarray]
+    tensors: dict[str, Any]
     specs: dict[str, dict[str, Any]]
     shapes: dict[str, tuple[int, ...]]
     step: int
@@ -343,10 +375,32 @@ def _layer_params(layer: Any, index: int) -> list[Any]:
     getter = getattr(layer, "parameters", None)
     params = list(getter()) if callable(getter) else []
     for p in params:
-        if not isinstance(getattr(p, "data", None), np.ndarray):
+        data = getattr(p, "data", None)
+        if not isinstance(data, np.ndarray) and not is_tensor(data):
             raise TypeError(f"layer {index}: parameter {getattr(p, 'name', '?')!r} has no "
-                            "ndarray .data")
+                            "ndarray or torch.Tensor .data")
     return params
+
+
+def _copy_into(target: np.ndarray, value: Any, what: str) -> None:
+    """``target[...] = value`` for a state-dict entry (array or tensor); bfloat16 only
+    from bfloat16, copied as bits (``TypeError`` otherwise, naming ``what``)."""
+    array = as_array(value, what) if is_tensor(value) else np.asarray(value)
+    if array.shape != target.shape:
+        raise ValueError(f"{what}: local shape {array.shape}, this rank holds {target.shape}")
+    if is_bfloat16(array.dtype) != is_bfloat16(target.dtype):
+        raise TypeError(f"{what}: dtype {dtype_name(array.dtype)}, FSDP holds "
+                        f"{dtype_name(target.dtype)} (bfloat16 is never cast implicitly)")
+    if target.size and not np.shares_memory(array, target):
+        if is_bfloat16(target.dtype):
+            target.view(np.uint16)[...] = array.view(np.uint16)
+        else:
+            target[...] = array
+
+
+def _widened(array: np.ndarray) -> np.ndarray:
+    """bfloat16 as float32 (exact); other dtypes as they are."""
+    return bfloat16_to_float32(array) if is_bfloat16(array.dtype) else array
 
 
 class FSDP:
@@ -404,7 +458,9 @@ class FSDP:
         self._closed = False
         self._ctx: _ForwardCtx | None = None
         self._pending: list[Any] = []
-        self._empty: dict[str, np.ndarray] = {}
+        self._empty: dict[str, Any] = {}
+        self._tensors = False
+        """The module's parameters hold torch tensors (see the module docstring)."""
 
         world = group.world_size
         self.intra_node_size = self._setup_groups(world, intra_node_size)
@@ -455,6 +511,8 @@ class FSDP:
         layered = getattr(module, "layers", None) is not None
         layers = list(module.layers) if layered else [module]
         per_layer = [_layer_params(layer, i) for i, layer in enumerate(layers)]
+        self._tensors = holds_tensors((p for params in per_layer for p in params),
+                                      "FSDP: the module")
         # names as Sequential gives them: "<layer index>.<name inside the layer>"
         names: dict[int, str] = {}
         for i, (layer, params) in enumerate(zip(layers, per_layer)):
@@ -469,7 +527,8 @@ class FSDP:
         if len(set(names.values())) != len(names):
             dupes = sorted({n for n in names.values() if list(names.values()).count(n) > 1})
             raise ValueError(f"parameter names must be unique, got duplicates {dupes}")
-        counts = [sum(int(p.data.size) for p in params) for params in per_layer]
+        counts = [sum(int(np.prod(p.data.shape, dtype=np.int64)) for p in params)
+                  for params in per_layer]
         units = []
         for index, (start, stop) in enumerate(plan_units(counts, min_params)):
             params = [p for params in per_layer[start:stop] for p in params]
@@ -479,18 +538,19 @@ class FSDP:
 
     def _make_unit(self, index: int, layer_range: tuple[int, int], layers: list[Any],
                    params: list[Any], names: list[str]) -> _Unit:
-        dtypes = {p.data.dtype for p in params}
+        arrays = [array_of(p.data, f"parameter {name!r}") for p, name in zip(params, names)]
+        dtypes = {dtype_name(a.dtype) for a in arrays}
         if len(dtypes) > 1:
             raise TypeError(f"unit {index} (layers {layer_range[0]}..{layer_range[1] - 1}) "
-                            f"mixes dtypes {sorted(d.name for d in dtypes)}; one flat buffer "
-                            "needs one dtype")
-        dtype = dtypes.pop() if dtypes else np.dtype(np.float64)
-        if dtype.kind != "f":
+                            f"mixes dtypes {sorted(dtypes)}; one flat buffer needs one dtype")
+        dtype = layout_dtype(dtypes.pop()) if dtypes else np.dtype(np.float64)
+        if dtype.kind != "f" and not is_bfloat16(dtype):
             raise TypeError(f"unit {index}: FSDP averages gradients, so parameters must be "
                             f"floating point, got {dtype}")
-        layout = FlatParamLayout.build(names, [p.data.shape for p in params], dtype,
+        layout = FlatParamLayout.build(names, [a.shape for a in arrays], dtype,
                                        self._num_shards)
-        flat = layout.flatten([p.data for p in params])
+        flat = layout.flatten(arrays)
+        del arrays
         crc = zlib.crc32(flat.view(np.uint8).data) if self.check_module_states else 0
         lo, hi = layout.shard_bounds(self._shard_index)
         mem = self._memory
@@ -500,7 +560,7 @@ class FSDP:
             full[...] = flat
             shard = full[lo:hi]
             for p, view in zip(params, layout.views(full)):
-                p.data = view
+                p.data = self._expose(view)
         else:
             shard = mem.alloc("params", hi - lo, dtype, zero=False)
             shard[...] = flat[lo:hi]
@@ -510,7 +570,7 @@ class FSDP:
         if self.strategy is ShardingStrategy.NO_SHARD:
             grad = mem.alloc("grads", layout.padded_numel, dtype)
             for p, view in zip(params, layout.views(grad)):
-                p.grad = view
+                p.grad = self._expose(view)
         else:
             grad = mem.alloc("grads", hi - lo, dtype)
             for p in params:
@@ -518,11 +578,26 @@ class FSDP:
         return _Unit(index, layer_range, list(layers), params, layout, shard, full, grad,
                      layout.valid_numel(self._shard_index), crc)
 
-    def _placeholder(self, dtype: Any) -> np.ndarray:
-        dt = np.dtype(dtype)
-        if dt.name not in self._empty:
-            self._empty[dt.name] = np.empty(0, dt)
-        return self._empty[dt.name]
+    def _placeholder(self, dtype: Any) -> Any:
+        """The empty ``p.data`` / ``p.grad`` of a parameter whose storage is elsewhere."""
+        name = dtype_name(dtype)
+        if name not in self._empty:
+            self._empty[name] = self._expose(np.empty(0, layout_dtype(dtype)))
+        return self._empty[name]
+
+    def _expose(self, array: np.ndarray) -> Any:
+        """``array`` as the module sees its storage: a tensor over it for a module whose
+        parameters are tensors, else the array itself."""
+        return to_tensor(array) if self._tensors else array
+
+    def _to_layers(self, obj: Any, what: str) -> Any:
+        """An input or gradient as the layers take it (the module's kind)."""
+        return tensor_of(obj, what) if self._tensors else array_of(obj, what)
+
+    @staticmethod
+    def _as_given(obj: Any, tensor: bool, what: str) -> Any:
+        """A result in the kind the caller gave: a tensor, or else an array."""
+        return tensor_of(obj, what) if tensor else array_of(obj, what)
 
     def set_optimizer(self, optimizer: Any) -> None:
         """Use ``optimizer`` (``ShardedOptimizer`` or a ``netdist.train`` SGD/Adam)."""
@@ -569,13 +644,20 @@ class FSDP:
     def step_count(self) -> int:
         return self._step
 
-    def local_shards(self) -> list[np.ndarray]:
-        """This rank's parameter shard of each unit (real elements, padding excluded)."""
-        return [u.shard[:u.valid] for u in self._units]
+    @property
+    def holds_tensors(self) -> bool:
+        """True when the module's parameters are torch tensors (what FSDP hands back)."""
+        return self._tensors
 
-    def local_grad_shards(self) -> list[np.ndarray]:
-        """The reduced gradient this rank holds per unit (real elements only)."""
-        return [u.grad[:u.valid] for u in self._units]
+    def local_shards(self) -> list[Any]:
+        """This rank's parameter shard of each unit (real elements, padding excluded;
+        views, tensors for a module of tensors)."""
+        return [self._expose(u.shard[:u.valid]) for u in self._units]
+
+    def local_grad_shards(self) -> list[Any]:
+        """The reduced gradient this rank holds per unit (real elements only; views,
+        tensors for a module of tensors)."""
+        return [self._expose(u.grad[:u.valid]) for u in self._units]
 
     def memory_stats(self) -> MemoryStats:
         """Bytes held now by category, and peaks since construction / ``reset_peak_memory``."""
@@ -674,7 +756,7 @@ class FSDP:
             self._release(unit)
             if self.strategy is not ShardingStrategy.NO_SHARD:
                 for p in unit.params:
-                    p.grad = self._placeholder(unit.layout.dtype)
+                    p.grad = self._placeholder(unit.layout.np_dtype)
         self._memory.free_category("gathered")
         self._memory.free_category("grad_buffers")
 
@@ -722,7 +804,7 @@ class FSDP:
     async def _issue_gather(self, unit: _Unit) -> None:
         if unit.gather_work is not None or unit.layout.numel == 0:
             return
-        buf = self._memory.alloc("gathered", unit.layout.padded_numel, unit.layout.dtype,
+        buf = self._memory.alloc("gathered", unit.layout.padded_numel, unit.layout.np_dtype,
                                  zero=False)
         unit.gather_buf = buf
         unit.gather_work = await self._sharding().all_gather(
@@ -743,7 +825,7 @@ class FSDP:
             raise RuntimeError(f"FSDP unit {unit.index}: all-gather finished without its "
                                "buffer (internal state error)")
         for p, view in zip(unit.params, unit.layout.views(gathered)):
-            p.data = view
+            p.data = self._expose(view)
 
     def _release_all(self) -> None:
         """Drop every gathered unit (before shards change: step, loads)."""
@@ -757,7 +839,7 @@ class FSDP:
         if unit.gather_buf is None and unit.gather_work is None:
             return
         for p in unit.params:
-            p.data = self._placeholder(unit.layout.dtype)
+            p.data = self._placeholder(unit.layout.np_dtype)
         self._memory.free(unit.gather_buf)
         unit.gather_buf = None
         unit.gather_work = None
@@ -777,22 +859,23 @@ class FSDP:
 
     # -- forward / backward ----------------------------------------------------------------
 
-    async def forward(self, x: np.ndarray, *, requires_grad: bool = True) -> np.ndarray:
+    async def forward(self, x: Any, *, requires_grad: bool = True) -> Any:
         """Run the model on ``x``; keep the context for the next ``backward``.
 
         With ``requires_grad=False`` (inference) no context is kept. Every rank must call
         it (FULL_SHARD/HYBRID_SHARD gather parameters); inputs may differ per rank.
+        ``x`` may be an array or a CPU tensor; the output is of the same kind.
         """
         y, ctx = await self._forward(x, keep_last=requires_grad)
         self._ctx = ctx if requires_grad else None
         return y
 
-    async def forward_with_ctx(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+    async def forward_with_ctx(self, x: Any) -> tuple[Any, Any]:
         """``forward`` returning ``(y, ctx)`` for an explicit ``backward(g, ctx=ctx)``
         (several micro-batches in flight, gradient accumulation)."""
         return await self._forward(x, keep_last=True)
 
-    async def _forward(self, x: np.ndarray, keep_last: bool) -> tuple[np.ndarray, Any]:
+    async def _forward(self, x: Any, keep_last: bool) -> tuple[Any, Any]:
         """Run the units in order. With prefetch on and a backward to follow
         (``keep_last``), the last unit stays gathered: backward starts with it, so its
         all-gather is not repeated (torch FSDP keeps the root unit the same way). It is
@@ -802,6 +885,8 @@ class FSDP:
         keep_last = keep_last and self.prefetch_depth > 0
         ctx = _ForwardCtx(id(self))
         depth, units = self.prefetch_depth, self._units
+        given_tensor = is_tensor(x)
+        x = self._to_layers(x, "FSDP.forward input")
         try:
             for i, unit in enumerate(units):
                 if self._gather_params:
@@ -816,14 +901,15 @@ class FSDP:
             raise
         finally:
             self._timings.forward += time.perf_counter() - started
-        return x, ctx
+        return self._as_given(x, given_tensor, "FSDP.forward output"), ctx
 
-    async def backward(self, grad_out: np.ndarray, ctx: Any = None) -> np.ndarray:
+    async def backward(self, grad_out: Any, ctx: Any = None) -> Any:
         """Back-propagate ``grad_out`` through the model; returns d(loss)/d(input).
 
         Gradients are averaged over the data-parallel ranks and *added* to the local
         gradient (shards), so several backward calls accumulate until ``zero_grad``.
-        ``ctx`` defaults to the context kept by the last ``forward``.
+        ``ctx`` defaults to the context kept by the last ``forward``. ``grad_out`` may be
+        an array or a CPU tensor; the input gradient is of the same kind.
         """
         await self._ensure_ready("backward")
         if ctx is None:
@@ -835,16 +921,18 @@ class FSDP:
                 or len(ctx.ctxs) != len(self._units):
             raise ValueError("FSDP.backward: ctx does not come from this FSDP's forward")
         started = time.perf_counter()
+        given_tensor = is_tensor(grad_out)
         try:
-            grad = await self._backward(grad_out, ctx)
+            grad = await self._backward(self._to_layers(grad_out, "FSDP.backward gradient"),
+                                        ctx)
         except BaseException:
             await self._abort()
             raise
         finally:
             self._timings.backward += time.perf_counter() - started
-        return grad
+        return self._as_given(grad, given_tensor, "FSDP.backward input gradient")
 
-    async def _backward(self, grad: np.ndarray, ctx: _ForwardCtx) -> np.ndarray:
+    async def _backward(self, grad: Any, ctx: _ForwardCtx) -> Any:
         depth, units = self.prefetch_depth, self._units
         lag = 1 if depth > 0 else 0
         reducing: deque[_GradJob] = deque()
@@ -864,21 +952,22 @@ class FSDP:
                     self._pending.append(work)
                     averaging.append(_GradJob(unit, work, None, None))
             else:
-                buffer = self._memory.alloc("grad_buffers", layout.padded_numel, layout.dtype)
+                buffer = self._memory.alloc("grad_buffers", layout.padded_numel,
+                                            layout.np_dtype)
                 for p, view in zip(unit.params, layout.views(buffer)):
-                    p.grad = view
+                    p.grad = self._expose(view)
                 try:
                     grad = await self._compute(_backward_layers, unit.layers, ctx.ctxs[i], grad)
                 finally:
                     for p in unit.params:
-                        p.grad = self._placeholder(layout.dtype)
+                        p.grad = self._placeholder(layout.np_dtype)
                 if self._gather_params:
                     self._release(unit)
                 if layout.numel == 0:
                     self._memory.free(buffer)
                 elif self._num_shards > 1:
                     result = self._memory.alloc("grad_buffers", layout.shard_numel,
-                                                layout.dtype, zero=False)
+                                                layout.np_dtype, zero=False)
                     work = await self._sharding().reduce_scatter(
                         buffer, ReduceOp.MEAN, out=result, async_op=True, timeout=self.timeout)
                     self._pending.append(work)
@@ -925,7 +1014,7 @@ class FSDP:
         result = job.result
         if result is None:
             return
-        job.unit.grad += result
+        reduce_into(ReduceOp.SUM, job.unit.grad, result)  # bfloat16 rounded as torch adds
         self._memory.free(result)
         job.result = None
 
@@ -938,7 +1027,7 @@ class FSDP:
 
     def _state_for(self, unit: _Unit, optimizer: ShardedOptimizer) -> dict[str, np.ndarray]:
         if unit.state is None:
-            unit.state = {key: self._memory.alloc("optimizer", unit.valid, unit.layout.dtype)
+            unit.state = {key: self._memory.alloc("optimizer", unit.valid, unit.layout.np_dtype)
                           for key in optimizer.state_keys()}
         return unit.state
 
@@ -962,7 +1051,7 @@ class FSDP:
             for unit in self._units:
                 if unit.valid:
                     state = self._state_for(unit, optimizer)
-                    await self._compute(optimizer.update, unit.shard[:unit.valid],
+                    await self._compute(optimizer.apply, unit.shard[:unit.valid],
                                         unit.grad[:unit.valid], state, self._step)
                 if regather and unit.layout.numel:
                     work = await self._sharding().all_gather(
@@ -986,7 +1075,8 @@ class FSDP:
         The norm is over the whole model's averaged gradient (all shards, padding
         excluded), computed as the sum of the shards' ``|g|^p`` all-reduced over the shard
         group (the maximum for ``norm_type=inf``), identical on every rank. As in torch,
-        gradients are multiplied by ``max_norm / (norm + 1e-6)`` when that is below 1.
+        gradients are multiplied by ``max_norm / (norm + 1e-6)`` when that is below 1
+        (bfloat16 gradients in float32, rounded back once).
         """
         await self._ensure_ready("clip_grad_norm")
         if not max_norm >= 0:
@@ -996,7 +1086,7 @@ class FSDP:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
         total = np.zeros(1, np.float64)
         for unit in self._units:
-            g = unit.grad[:unit.valid].astype(np.float64, copy=False)
+            g = _widened(unit.grad[:unit.valid]).astype(np.float64, copy=False)
             if g.size == 0:
                 continue
             if math.isinf(norm_type):
@@ -1013,7 +1103,13 @@ class FSDP:
         coef = float(max_norm) / (norm + 1e-6)
         if coef < 1.0:
             for unit in self._units:
-                unit.grad[:unit.valid] *= coef
+                g = unit.grad[:unit.valid]
+                if is_bfloat16(g.dtype):
+                    wide = bfloat16_to_float32(g)
+                    wide *= coef
+                    float32_to_bfloat16(wide, out=g)
+                else:
+                    g *= coef
         return norm
 
     # -- state dicts -----------------------------------------------------------------------
@@ -1034,12 +1130,21 @@ class FSDP:
         """This rank's pieces of every (flattened) parameter and optimizer state tensor.
 
         See ``ShardedStateDict`` and the module docstring for how the checkpoint layer
-        consumes it. The tensors are views of live storage. If an optimizer is set, its
-        state is included (allocated zero-filled if no step was taken yet, so an in-place
-        load has somewhere to land).
+        consumes it. The tensors are views of live storage (torch tensors over it for a
+        module whose parameters are tensors). If an optimizer is set, its state is
+        included (allocated zero-filled if no step was taken yet, so an in-place load has
+        somewhere to land).
         """
         self._check_open("sharded_state_dict")
         self._release_all()  # the views may be written (in-place load): no stale copies
+        local = self._sharded_arrays()
+        if not self._tensors:
+            return local
+        return ShardedStateDict({k: self._expose(v) for k, v in local.tensors.items()},
+                                local.specs, local.shapes, local.step, local.hyperparams)
+
+    def _sharded_arrays(self) -> ShardedStateDict:
+        """``sharded_state_dict`` with NumPy views, whatever the module holds."""
         tensors: dict[str, np.ndarray] = {}
         specs: dict[str, dict[str, Any]] = {}
         shapes: dict[str, tuple[int, ...]] = {}
@@ -1075,29 +1180,25 @@ class FSDP:
         hyper = optimizer.hyperparameters() if optimizer is not None else {}
         return ShardedStateDict(tensors, specs, shapes, self._step, hyper)
 
-    async def load_sharded_state_dict(self, tensors: Mapping[str, np.ndarray], *,
+    async def load_sharded_state_dict(self, tensors: Mapping[str, Any], *,
                                       step: int | None = None) -> None:
         """Copy this rank's pieces (as ``sharded_state_dict`` names and shapes them) in.
 
-        Arrays that already are the live views (an in-place load) are not copied.
+        Values may be arrays or CPU tensors. Those that already are the live views (an
+        in-place load) are not copied.
         Under HYBRID_SHARD, node 0's pieces are then broadcast to the other replicas.
         ``step`` restores the optimizer step count (Adam bias correction).
         """
         await self._ensure_ready("load_sharded_state_dict")
         self._release_all()
-        current = self.sharded_state_dict()
+        current = self._sharded_arrays()
         missing = sorted(set(current.tensors) - set(tensors))
         unexpected = sorted(set(tensors) - set(current.tensors))
         if missing or unexpected:
             raise ValueError(f"sharded state dict mismatch: missing {missing}, "
                              f"unexpected {unexpected}")
         for name, target in current.tensors.items():
-            value = np.asarray(tensors[name])
-            if value.shape != target.shape:
-                raise ValueError(f"{name!r}: local shape {value.shape}, this rank holds "
-                                 f"{target.shape}")
-            if target.size and not np.shares_memory(value, target):
-                target[...] = value
+            _copy_into(target, tensors[name], repr(name))
         if self._replica_group is not None and self.strategy is ShardingStrategy.HYBRID_SHARD:
             for unit in self._units:
                 arrays = [unit.shard] + list((unit.state or {}).values())
@@ -1112,20 +1213,21 @@ class FSDP:
         if step is not None:
             self._step = int(step)
 
-    async def full_state_dict(self, rank0_only: bool = True) -> dict[str, np.ndarray]:
-        """Whole parameters (original shapes, copies) keyed by parameter name.
+    async def full_state_dict(self, rank0_only: bool = True) -> dict[str, Any]:
+        """Whole parameters (original shapes, copies) keyed by parameter name: arrays, or
+        torch tensors for a module whose parameters are tensors.
 
         Every rank must call it (sharded units are all-gathered one at a time). With
         ``rank0_only`` only group rank 0 gets the dict; the others get ``{}``.
         """
         await self._ensure_ready("full_state_dict")
         keep = not rank0_only or self.group.rank == 0
-        out: dict[str, np.ndarray] = {}
+        out: dict[str, Any] = {}
         for unit in self._units:
             flat, temporary = await self._gather_flat(unit, unit.shard, unit.full)
             if keep and flat is not None:
                 for slot, view in zip(unit.layout.slots, unit.layout.views(flat)):
-                    out[slot.name] = view.copy()
+                    out[slot.name] = self._expose(view.copy())
             if temporary:
                 self._memory.free(flat)
         return out
@@ -1134,8 +1236,9 @@ class FSDP:
         """The optimizer state gathered whole, in ``netdist.train`` optimizer format.
 
         ``{"hyperparams": {...}, "state": {param name: {key: array, ["step": int]}}}``
-        (Adam entries carry ``"step"``, as ``netdist.train.Adam.state_dict`` does). Every
-        rank must call it; with ``rank0_only`` the others get ``{}``.
+        (Adam entries carry ``"step"``, as ``netdist.train.Adam.state_dict`` does; the
+        arrays are torch tensors for a module of tensors). Every rank must call it; with
+        ``rank0_only`` the others get ``{}``.
         """
         await self._ensure_ready("full_optim_state_dict")
         optimizer = self.optimizer
@@ -1147,13 +1250,13 @@ class FSDP:
         if self._step > 0:
             for unit in self._units:
                 for key, value in self._state_for(unit, optimizer).items():
-                    local = np.zeros(unit.layout.shard_numel, unit.layout.dtype)
+                    local = np.zeros(unit.layout.shard_numel, unit.layout.np_dtype)
                     local[:unit.valid] = value
                     flat, temporary = await self._gather_flat(unit, local, None)
                     if keep and flat is not None:
                         for slot, view in zip(unit.layout.slots, unit.layout.views(flat)):
                             entry = state.setdefault(slot.name, {})
-                            entry[key] = view.copy()
+                            entry[key] = self._expose(view.copy())
                             if has_step:
                                 entry["step"] = self._step
                     if temporary:
@@ -1172,7 +1275,7 @@ class FSDP:
             return whole, False
         if self._num_shards == 1:
             return local, False
-        buf = self._memory.alloc("gathered", unit.layout.padded_numel, unit.layout.dtype,
+        buf = self._memory.alloc("gathered", unit.layout.padded_numel, unit.layout.np_dtype,
                                  zero=False)
         try:
             await self._sharding().all_gather(
@@ -1182,11 +1285,12 @@ class FSDP:
             raise
         return buf, True
 
-    def load_full_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+    def load_full_state_dict(self, state: Mapping[str, Any]) -> None:
         """Copy whole parameters (every rank passes the same dict) into local storage.
 
         No communication: each rank keeps the slice it owns. Names and shapes must match
-        ``full_state_dict``'s exactly.
+        ``full_state_dict``'s exactly; values may be arrays or CPU tensors (a
+        ``state_dict()``; parameters that require grad are read, not tracked).
         """
         self._check_open("load_full_state_dict")
         self._release_all()

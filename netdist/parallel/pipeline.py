@@ -28,6 +28,16 @@ timeout otherwise): no rank waits forever.
 
 This module does not import ``netdist.train``: a stage's layers are anything with the
 Module API (``forward(x) -> (y, ctx)``, ``backward(ctx, g) -> g_in``, ``parameters()``).
+
+Torch tensors. Inputs and targets may be CPU torch tensors, and layers and ``loss_fn``
+may return tensors (activations, loss gradients, input gradients): they are read
+zero-copy through ``netdist.tensors`` and travel as their bytes (bfloat16 included, with
+or without ``ml_dtypes``). A stage whose layers compute with torch (``tensors=True``, the
+default when its parameters hold tensors) is handed tensors: micro-batches, received
+activations and gradients, targets (views, no copies), and ``predict`` returns a tensor
+there; a NumPy stage is handed arrays. Loss gradients are weighted by ``n_i / B`` in
+their own dtype (bfloat16 in float32, rounded once, as torch multiplies), and the
+data-parallel all-reduce averages bfloat16 gradients as torch rounds.
 """
 
 from __future__ import annotations
@@ -55,9 +65,11 @@ from netdist.parallel.stages import (
     micro_batch_bounds,
     split_into_stages,
 )
+from netdist.parallel.tensor_kind import array_of, holds_tensors, tensor_of
 from netdist.sharding import chunk_bounds
+from netdist.tensors import is_tensor
 from netdist.transport.base import Transport
-from netdist.types import ReduceOp
+from netdist.types import ReduceOp, bfloat16_to_float32, float32_to_bfloat16, is_bfloat16
 
 if TYPE_CHECKING:
     from netdist.collectives import Group
@@ -72,8 +84,9 @@ __all__ = [
     "PipelineTrainResult",
 ]
 
-LossFn = Callable[[np.ndarray, np.ndarray], tuple[float, np.ndarray]]
-"""``loss_fn(prediction, target) -> (mean loss over the micro-batch, d loss / d prediction)``."""
+LossFn = Callable[[Any, Any], tuple[Any, Any]]
+"""``loss_fn(prediction, target) -> (mean loss over the micro-batch, d loss / d prediction)``
+(arrays, or tensors on a stage of tensors; the loss anything ``float()`` takes)."""
 
 _SCHEDULE_IDS = {"gpipe": 1, "1f1b": 2}
 
@@ -112,9 +125,9 @@ class PipelineStepStats:
 def stash_nbytes(obj: Any) -> int:
     """Bytes of array memory reachable from a forward ``ctx`` (each buffer counted once).
 
-    Walks lists, tuples, dicts and plain objects. An array counts its own ``nbytes`` (a
-    view of a row slice counts the slice, not the whole batch); the same memory reached
-    twice (same address and size) counts once.
+    Walks lists, tuples, dicts and plain objects. An array (or torch tensor) counts its
+    own ``nbytes`` (a view of a row slice counts the slice, not the whole batch); the
+    same memory reached twice (same address and size) counts once.
     """
     seen: set[tuple[int, int]] = set()
     total = 0
@@ -125,11 +138,13 @@ def stash_nbytes(obj: Any) -> int:
         if id(item) in visited:
             continue
         visited.add(id(item))
-        if isinstance(item, np.ndarray):
-            key = (item.__array_interface__["data"][0], item.nbytes)
+        if isinstance(item, np.ndarray) or is_tensor(item):
+            key = ((item.__array_interface__["data"][0], item.nbytes)
+                   if isinstance(item, np.ndarray)
+                   else (item.data_ptr(), item.numel() * item.element_size()))
             if key not in seen:
                 seen.add(key)
-                total += item.nbytes
+                total += key[1]
         elif isinstance(item, (list, tuple, set, frozenset)):
             stack.extend(item)
         elif isinstance(item, dict):
@@ -188,6 +203,9 @@ class PipelineParallel:
     transport's default). ``offload_compute`` runs forward, loss and backward in a worker
     thread so the event loop keeps moving this stage's bytes meanwhile (NumPy releases
     the GIL in BLAS calls); off by default, as each call then pays a thread hop.
+    ``tensors``: hand this stage's layers and ``loss_fn`` torch tensors (module
+    docstring); default: True when the stage's parameters hold tensors, False for NumPy
+    parameters or none (pass True for a parameter-free stage of torch layers).
     """
 
     def __init__(self, transport: Transport, layers: Sequence[Any] | Any,
@@ -195,7 +213,8 @@ class PipelineParallel:
                  optimizer: Any | None = None,
                  optimizer_factory: Callable[[list[Any]], Any] | None = None,
                  group: Group | None = None, timeout: float | None = None,
-                 tag_base: int = TAG_BASE, offload_compute: bool = False) -> None:
+                 tag_base: int = TAG_BASE, offload_compute: bool = False,
+                 tensors: bool | None = None) -> None:
         if not isinstance(config, PipelineParallelConfig):
             raise TypeError(f"config must be a PipelineParallelConfig, got "
                             f"{type(config).__name__}")
@@ -232,6 +251,9 @@ class PipelineParallel:
         else:
             self.module = _LayerChain([layers])
         self.parameters: list[Any] = self.module.parameters()
+        held = holds_tensors(self.parameters, f"pipeline stage {self.stage}")
+        self.tensors = held if tensors is None else bool(tensors)
+        """Layers and ``loss_fn`` get torch tensors (see the module docstring)."""
         if self.is_last and loss_fn is None:
             raise PipelineError(
                 f"rank {world_rank} holds the last stage ({self.stage}) and computes the "
@@ -311,32 +333,31 @@ class PipelineParallel:
 
     # -- one mini-batch ----------------------------------------------------------------
 
-    def _split_batch(self, data: np.ndarray | None, what: str) -> list[np.ndarray] | None:
+    def _split_batch(self, data: Any, what: str) -> list[np.ndarray] | None:
         if data is None:
             return None
-        data = np.asarray(data)
+        data = np.asarray(array_of(data, f"pipeline {what}"))
         if data.ndim == 0:
             raise PipelineError(f"{what} must have a batch dimension, got a scalar")
         bounds = micro_batch_bounds(data.shape[0], self.config.num_micro_batches)
         return [data[start:stop] for start, stop in bounds]
 
-    async def train_step(self, inputs: np.ndarray | None = None,
-                         targets: np.ndarray | None = None) -> float | None:
+    async def train_step(self, inputs: Any = None, targets: Any = None) -> float | None:
         """Run one mini-batch through the pipeline and step the optimizer once.
 
         ``inputs`` is needed on first-stage ranks, ``targets`` on last-stage ranks (other
         ranks may pass them; they are ignored). Returns this replica's mini-batch mean
         loss on last-stage ranks and ``None`` elsewhere. Zeroes this stage's gradients
         first. On an exception (timeout, lost peer, bad input) no optimizer step happens
-        and the gradients are partial; the pipeline should be torn down.
+        and the gradients are partial; the pipeline should be torn down. Inputs and
+        targets may be arrays or CPU tensors.
         """
         await self.forward_backward(inputs, targets, zero_grad=True)
         if self.optimizer is not None:
             self.optimizer.step()
         return self._last_loss
 
-    async def forward_backward(self, inputs: np.ndarray | None = None,
-                               targets: np.ndarray | None = None, *,
+    async def forward_backward(self, inputs: Any = None, targets: Any = None, *,
                                zero_grad: bool = True) -> float | None:
         """``train_step`` without the optimizer step: leaves the averaged gradients in
         ``param.grad`` (accumulating into them when ``zero_grad`` is False)."""
@@ -350,7 +371,7 @@ class PipelineParallel:
             await self.validate()
         if zero_grad:
             for p in self.parameters:
-                p.grad[...] = 0
+                array_of(p.grad, "parameter gradient")[...] = 0
         started = time.perf_counter()
         stats = _StepCounters()
         self._last_loss = await self._run_schedule(micro_inputs, micro_targets, stats)
@@ -423,8 +444,10 @@ class PipelineParallel:
                     # holds the loop (forward/backward run synchronously)
                     await asyncio.sleep(0)
                 elif kind is ActionKind.FORWARD:
-                    x = micro_inputs[mb] if micro_inputs is not None else received.pop(mb)
-                    target = micro_targets[mb] if micro_targets is not None else None
+                    x = self._for_layers(micro_inputs[mb] if micro_inputs is not None
+                                         else received.pop(mb))
+                    target = (self._for_layers(micro_targets[mb])
+                              if micro_targets is not None else None)
                     t0 = time.perf_counter()
                     if self.offload_compute:
                         y, ctx, loss, grad = await asyncio.to_thread(self._forward, mb, x,
@@ -438,7 +461,7 @@ class PipelineParallel:
                                                 "a loss but no loss gradient")
                         weight = len(target) / batch_rows
                         loss_total += weight * loss
-                        loss_grads[mb] = grad * weight
+                        loss_grads[mb] = _weighted(grad, weight)
                     else:
                         outputs[mb] = y
                     nbytes = stash_nbytes(ctx)
@@ -448,7 +471,8 @@ class PipelineParallel:
                     stats.peak_bytes = max(stats.peak_bytes, stash_bytes)
                 elif kind is ActionKind.BACKWARD:
                     ctx, nbytes = stash.pop(mb)
-                    grad_out = loss_grads.pop(mb) if self.is_last else received.pop(mb)
+                    grad_out = self._for_layers(loss_grads.pop(mb) if self.is_last
+                                                else received.pop(mb))
                     t0 = time.perf_counter()
                     if self.offload_compute:
                         grad_in = await asyncio.to_thread(self.module.backward, ctx, grad_out)
@@ -458,7 +482,7 @@ class PipelineParallel:
                     del ctx
                     stash_bytes -= nbytes
                     if not self.is_first:
-                        outputs[mb] = grad_in
+                        outputs[mb] = array_of(grad_in, f"micro-batch {mb} input gradient")
                 else:  # pragma: no cover - the enum is closed
                     raise PipelineError(f"unknown pipeline action {action}")
             action = None
@@ -481,12 +505,17 @@ class PipelineParallel:
                                 "to a neighbouring stage this rank does not have")
         return rank
 
-    def _forward(self, mb: int, x: np.ndarray, target: np.ndarray | None
+    def _for_layers(self, data: np.ndarray) -> Any:
+        """An array as this stage's layers take it: a tensor over it on a stage of tensors."""
+        return tensor_of(data, "pipeline stage input") if self.tensors else data
+
+    def _forward(self, mb: int, x: Any, target: Any
                  ) -> tuple[np.ndarray, Any, float, np.ndarray | None]:
-        """Forward one micro-batch; on the last stage also the loss and its gradient."""
+        """Forward one micro-batch; on the last stage also the loss and its gradient
+        (results as arrays, views of any tensors the layers return)."""
         y, ctx = self.module.forward(x)
         if target is None:
-            return y, ctx, 0.0, None
+            return array_of(y, f"micro-batch {mb} activation"), ctx, 0.0, None
         if len(y) != len(target):
             raise PipelineError(
                 f"micro-batch {mb}: the last stage got {len(y)} activation rows for "
@@ -497,18 +526,20 @@ class PipelineParallel:
             raise PipelineError(f"rank {self.rank} (stage {self.stage}) got targets but has "
                                 "no loss_fn")
         loss, grad = loss_fn(y, target)
-        return y, ctx, float(loss), np.asarray(grad)
+        return (array_of(y, f"micro-batch {mb} prediction"), ctx, float(loss),
+                np.asarray(array_of(grad, f"micro-batch {mb} loss gradient")))
 
     async def _all_reduce_grads(self) -> None:
         """Average this stage's gradients over its replicas: one flat bucket per dtype."""
         if self.dp_group is None:
             return
-        by_dtype: dict[np.dtype[Any], list[Any]] = {}
+        by_dtype: dict[np.dtype[Any], list[np.ndarray]] = {}
         for p in self.parameters:
-            by_dtype.setdefault(p.grad.dtype, []).append(p)
+            grad = array_of(p.grad, "parameter gradient")
+            by_dtype.setdefault(grad.dtype, []).append(grad)
         for dtype in sorted(by_dtype, key=lambda d: d.str):  # same order on every replica
-            params = by_dtype[dtype]
-            flat = np.concatenate([p.grad.reshape(-1) for p in params]) if params else \
+            grads = by_dtype[dtype]
+            flat = np.concatenate([g.reshape(-1) for g in grads]) if grads else \
                 np.empty(0, dtype)
             try:
                 await self.dp_group.all_reduce(flat, op=ReduceOp.MEAN, timeout=self.timeout)
@@ -517,18 +548,19 @@ class PipelineParallel:
                              f"{self.step_count}: data-parallel gradient all-reduce")
                 raise
             offset = 0
-            for p in params:
-                size = p.grad.size
-                p.grad[...] = flat[offset:offset + size].reshape(p.grad.shape)
+            for g in grads:
+                size = g.size
+                g[...] = flat[offset:offset + size].reshape(g.shape)
                 offset += size
 
     # -- inference -----------------------------------------------------------------------
 
-    async def predict(self, inputs: np.ndarray | None = None) -> np.ndarray | None:
+    async def predict(self, inputs: Any = None) -> Any:
         """Forward only, micro-batched through the pipeline; the output on the last stage.
 
         Uses the activation direction of step tags like ``train_step`` and advances the
-        step counter. Returns the concatenated output on last-stage ranks, else None.
+        step counter. Returns the concatenated output on last-stage ranks (a tensor on a
+        stage of tensors, or when ``inputs`` was a tensor), else None.
         """
         if not self._validated:
             await self.validate()
@@ -548,7 +580,8 @@ class PipelineParallel:
                 else:
                     x = await self.transport.recv(self._peer(self.prev_rank), tag=tag,
                                                   timeout=self.timeout)
-                y, _ = self.module.forward(x)
+                y = array_of(self.module.forward(self._for_layers(x))[0],
+                             f"micro-batch {mb} activation")
                 if self.is_last:
                     outputs.append(y)
                 else:
@@ -558,7 +591,10 @@ class PipelineParallel:
             await asyncio.gather(*sends)
         finally:
             await _cancel_all(sends)
-        return np.concatenate(outputs) if self.is_last else None
+        if not self.is_last:
+            return None
+        output = np.concatenate(outputs)
+        return tensor_of(output, "predict") if self.tensors or is_tensor(inputs) else output
 
 
 @dataclass(slots=True)
@@ -569,6 +605,16 @@ class _StepCounters:
     peak_bytes: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+
+
+def _weighted(grad: np.ndarray, weight: float) -> np.ndarray:
+    """``grad * weight`` in ``grad``'s dtype: bfloat16 through one float32 multiply,
+    rounded to nearest even, as torch multiplies a bfloat16 tensor by a number."""
+    if is_bfloat16(grad.dtype):
+        wide = bfloat16_to_float32(grad)
+        wide *= weight
+        return float32_to_bfloat16(wide, out=np.empty(grad.shape, grad.dtype))
+    return grad * weight
 
 
 async def _cancel_all(tasks: Iterable[asyncio.Future[Any]]) -> None:

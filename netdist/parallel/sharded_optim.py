@@ -8,6 +8,12 @@ real elements only, padding excluded -- and the state arrays it allocated for th
 (``state_keys()`` says which), so optimizer state is sharded like the parameters: ZeRO-1
 by construction. This module never imports ``netdist.train``; ``sharded_optimizer_from`` reads a
 ``netdist.train`` optimizer's ``hyperparameters()`` to build the matching sharded one.
+
+bfloat16 shards (FSDP over bfloat16 parameters, with or without ``ml_dtypes``): ``apply``
+widens the parameter, gradient and state to float32 (exactly), runs the same update in
+float32 and rounds the parameter and the state back to bfloat16 (nearest even, as torch
+rounds) once per step; the state stays bfloat16 between steps, as torch keeps an
+optimizer's state in the parameter's dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import numpy as np
 
 from netdist.optim_kernels import (AdamHyperparameters, adam_update, check_lr,
                                     check_sgd_hyperparameters, sgd_update)
+from netdist.types import bfloat16_to_float32, float32_to_bfloat16, is_bfloat16
 
 __all__ = ["ShardedOptimizer", "ShardedSGD", "ShardedAdam", "sharded_optimizer_from"]
 
@@ -45,6 +52,20 @@ class ShardedOptimizer:
     def update(self, param: np.ndarray, grad: np.ndarray, state: Mapping[str, np.ndarray],
                step: int) -> None:
         raise NotImplementedError
+
+    def apply(self, param: np.ndarray, grad: np.ndarray, state: Mapping[str, np.ndarray],
+              step: int) -> None:
+        """``update``, for any floating dtype FSDP holds: bfloat16 (which NumPy cannot
+        compute with) is updated in float32 and rounded back once (module docstring)."""
+        if not is_bfloat16(param.dtype):
+            self.update(param, grad, state, step)
+            return
+        wide = {key: bfloat16_to_float32(value) for key, value in state.items()}
+        param32 = bfloat16_to_float32(param)
+        self.update(param32, bfloat16_to_float32(grad), wide, step)
+        float32_to_bfloat16(param32, out=param)
+        for key, value in state.items():
+            float32_to_bfloat16(wide[key], out=value)
 
     def hyperparameters(self) -> dict[str, Any]:
         """Current hyper-parameters as plain floats/bools (same names as netdist.train)."""

@@ -330,6 +330,7 @@ class ProgressThread:
                 and not self.on_thread() and self._try_drive()):
             try:
                 pending = asyncio.wrap_future(future, loop=loop)
+                pending.add_done_callback(_retrieved)  # raised below, from ``future``
                 _run_until_complete(loop, loop.create_task(asyncio.wait([pending],
                                                                         timeout=timeout)))
             finally:
@@ -372,6 +373,13 @@ def wait_future(future: concurrent.futures.Future[T], timeout: float | None,
         if not future.done():  # an interrupt in this thread, not the work's own error
             future.cancel()
         raise
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark a finished mirror future's exception as retrieved: the caller raises it from
+    the original future, so asyncio must not log it again as "never retrieved"."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _run_until_complete(loop: asyncio.AbstractEventLoop, task: asyncio.Future[T]) -> T:

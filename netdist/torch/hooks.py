@@ -32,7 +32,8 @@ The states, and the netdist algorithm each one reuses (nothing here is a new alg
   by ``1 / world_size``, cast to float16 (saturating at +-65504), summed in float16 by
   netdist's all-reduce and cast back: half the bytes of float32.
 - ``Bf16Hook(job)``: the same aggregator with bfloat16 on the wire (float32's range, so no
-  saturation; needs ``ml_dtypes``, ``pip install 'netdist[bf16]'``).
+  saturation; no extra package: without ``ml_dtypes`` netdist carries bfloat16 as its raw
+  bits, ``netdist.types.BFLOAT16_RAW``, and rounds and sums it exactly as torch does).
 - ``ParameterServerHook(job)``: ``netdist.ps.ParameterServer`` -- rank 0 sums every rank's
   bucket in rank order, divides by the world size and sends the average back; with two
   ranks that is bit for bit DDP's own average.
@@ -90,7 +91,8 @@ from netdist.progress import Job
 from netdist.progress.proxy import unwrap
 from netdist.ps import ColocatedPS, ParameterServer, SGDConfig, ServerReport, VersionLogEntry
 from netdist.ps.protocol import SHARDED_TAG_BASE, SYNC_TAG_BASE
-from netdist.types import WIRE_DTYPES
+from netdist.tensors import as_array
+from netdist.types import BFLOAT16, bfloat16_to_float32, float32_to_bfloat16
 
 __all__ = [
     "comm_hook",
@@ -214,8 +216,23 @@ class _Bucket:
 
 
 def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU float tensor (float16/32/64) sharing its memory."""
-    return tensor.detach().numpy()
+    """A NumPy view of a CPU float tensor sharing its memory (``netdist.tensors``:
+    bfloat16 as ``netdist.types.BFLOAT16``, with or without ``ml_dtypes``)."""
+    return as_array(tensor, "netdist comm hook")
+
+
+def _widened(array: np.ndarray) -> np.ndarray:
+    """bfloat16 as float32 (exact); other dtypes as they are."""
+    return bfloat16_to_float32(array) if array.dtype.kind == "V" else array
+
+
+def _cast_into(target: np.ndarray, source: np.ndarray) -> None:
+    """``target[...] = source`` across float dtypes; into bfloat16 through float32,
+    rounded to nearest even, as torch's ``copy_`` does."""
+    if target.dtype.kind == "V":
+        float32_to_bfloat16(source, out=target)
+    else:
+        np.copyto(target, source, casting="same_kind")
 
 
 async def _new_subgroup(world: Group) -> Group:
@@ -499,27 +516,28 @@ class TopKHook(CommHookState):
 # -- fp16 / bf16 ------------------------------------------------------------------------------
 
 class Bf16AllReduceAggregator(Fp16AllReduceAggregator):
-    """``Fp16AllReduceAggregator`` with bfloat16 on the wire (needs ``ml_dtypes``).
+    """``Fp16AllReduceAggregator`` with bfloat16 on the wire.
 
-    Each gradient is scaled by ``1 / world_size`` in its own precision and rounded to
-    bfloat16 (nearest even), the buckets are summed in bfloat16 by netdist's all-reduce
-    and cast back. bfloat16 has float32's range, so nothing saturates.
+    Each gradient is scaled by ``1 / world_size`` in its own precision (bfloat16 in
+    float32, as torch computes it) and rounded to bfloat16 (nearest even, through float32
+    as torch's ``.to(torch.bfloat16)`` does), the buckets are summed in bfloat16 by
+    netdist's all-reduce and cast back. bfloat16 has float32's range, so nothing
+    saturates. Needs no extra package: the wire dtype is ``netdist.types.BFLOAT16``
+    (``ml_dtypes.bfloat16`` where installed, else the raw bits), and the bits are the
+    same either way.
     """
 
-    def __init__(self, group: Group, bucket_mb: float = 25, *, max_in_flight: int = 4,
-                 timeout: float | None = None) -> None:
-        bf16 = WIRE_DTYPES.get("bfloat16")
-        if bf16 is None:
-            raise ImportError("bfloat16 on netdist's wire needs ml_dtypes: "
-                              "pip install 'netdist[bf16]'")
-        self._bf16 = bf16
-        super().__init__(group, bucket_mb, max_in_flight=max_in_flight, timeout=timeout)
-
     def _wire_dtype(self, dtype: np.dtype[Any]) -> np.dtype[Any]:
-        return self._bf16
+        return BFLOAT16
 
     def _fill(self, target: np.ndarray, grad: np.ndarray) -> None:
-        np.multiply(grad, 1.0 / self.group.world_size, out=target, casting="same_kind")
+        scale = 1.0 / self.group.world_size
+        if grad.dtype.kind == "V":  # bfloat16: one float32 multiply, rounded below
+            scaled = bfloat16_to_float32(grad)
+            scaled *= scale
+        else:
+            scaled = np.multiply(grad, scale)  # in the gradient's own precision
+        float32_to_bfloat16(scaled, out=target)  # float64 rounds to float32 first, as torch
 
 
 class _CastHook(CommHookState):
@@ -531,7 +549,7 @@ class _CastHook(CommHookState):
     def __init__(self, job: Job, *, timeout: float | None = None) -> None:
         super().__init__(job, timeout=timeout)
         self._aggregators: dict[int, Fp16AllReduceAggregator] = {}
-        self._aggregator_class(self._group, timeout=timeout)  # fail early (bf16 needs ml_dtypes)
+        self._aggregator_class(self._group, timeout=timeout)  # fail early on bad options
 
     async def _reduce(self, b: _Bucket) -> tuple[int, int, int]:
         agg = self._aggregators.get(b.index)
@@ -559,7 +577,7 @@ class Fp16Hook(_CastHook):
 
 class Bf16Hook(_CastHook):
     """bfloat16 compression (``Bf16AllReduceAggregator``): as ``Fp16Hook`` with bfloat16
-    on the wire -- float32's range and 8 significant bits. Needs ``ml_dtypes``."""
+    on the wire -- float32's range and 8 significant bits. No extra package needed."""
 
     _aggregator_class = Bf16AllReduceAggregator
 
@@ -716,7 +734,7 @@ class BoundedStalenessHook(CommHookState):
             for p, g in zip(b.parameters, b.gradients):
                 name = self._names[id(p)][1]
                 view = _as_numpy(g)
-                grads[name] = view.astype(self._np_dtype)  # a copy in the server's dtype
+                grads[name] = _widened(view).astype(self._np_dtype)  # the server's dtype
                 targets[name] = view
         ps = self._ps
         if ps is None:
@@ -735,7 +753,7 @@ class BoundedStalenessHook(CommHookState):
         pulled = await ps.step(grads)
         for name, now in zip(ps.client.names, pulled):
             delta = self._accumulator[name] - now
-            np.copyto(targets[name], delta, casting="same_kind")
+            _cast_into(targets[name], delta)
             self._accumulator[name] = now
         payload = sum(g.nbytes for g in grads.values())
         self._recorder.add(payload, payload, fp32 if self.world_size > 1 else 0,

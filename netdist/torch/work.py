@@ -38,19 +38,32 @@ class NetdistWork(dist.Work):
         self._outputs = outputs
         self._source = source
         self._torch_future: torch.futures.Future[list[torch.Tensor]] | None = None
+        # completed (with None) when the operation ends, however it ends: what wait()
+        # waits on, so the progress thread never mirrors a failed future into asyncio
+        self._settled: concurrent.futures.Future[None] = concurrent.futures.Future()
+        future.add_done_callback(self._settle)
+
+    def _settle(self, _: concurrent.futures.Future[Any]) -> None:
+        self._settled.set_result(None)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Block until the operation is done; raise its error as a torch error.
 
         ``timeout`` (torch's convention: zero means none) bounds this wait only; the
-        operation's own deadline is the group's timeout.
+        operation's own deadline is the group's timeout. The wait is for completion
+        (``_settled``, which never fails); the operation's error is then raised from its
+        own future. Waiting on the failed future itself would leave asyncio's mirror of
+        it (the progress thread wraps the future to drive the loop meanwhile) holding the
+        error unread, logged at exit as "Future exception was never retrieved" beside the
+        real error.
         """
         seconds = timeout.total_seconds() if timeout else 0.0
         if not self._future.done() and self._progress.on_thread():
             raise RuntimeError(f"{self._op}: wait() on netdist's progress thread would block "
                                "the loop that completes it; chain on get_future() instead")
         try:
-            self._progress.wait(self._future, seconds or None, self._op)
+            self._progress.wait(self._settled, seconds or None, self._op)
+            self._future.result()
         except BaseException as exc:  # noqa: BLE001 - translated for torch callers
             raise to_torch_error(exc) from exc.__cause__
         return True

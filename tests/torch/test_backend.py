@@ -131,3 +131,54 @@ def test_bfloat16_reductions_match_torch_with_or_without_ml_dtypes(
     assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
     for report in _load(tmp_path, "bf16", "netdist", 2):
         assert report == {"ml_dtypes": not hide_ml_dtypes, "SUM": True, "MAX": True}
+
+
+# -- a failure prints the one real error ------------------------------------------------
+
+FAILING_RUN = '''
+import os, sys
+import torch
+import torch.distributed as dist
+import netdist.torch  # registers the backend
+
+rank, port, scenario = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("netdist", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=2)
+dist.all_reduce(torch.ones(1))
+if rank == 1:
+    os._exit(3)  # dies without a goodbye
+if scenario == "wait":
+    dist.all_reduce(torch.ones(1000), async_op=True).wait()
+elif scenario == "unwaited":  # three operations never waited for, then a barrier
+    works = [dist.all_reduce(torch.ones(1000), async_op=True) for _ in range(3)]
+    dist.barrier()
+else:
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(10), 1),
+                                        dist.P2POp(dist.irecv, torch.ones(10), 1)]):
+        work.wait()
+'''
+
+
+@pytest.mark.parametrize("scenario", ["wait", "unwaited", "p2p"])
+def test_a_failure_prints_the_one_real_error_and_no_asyncio_noise(scenario: str) -> None:
+    """Rank 1 dies; rank 0's error escapes to the interpreter, which exits normally
+    (garbage-collecting every future): its stderr holds netdist's error once and no
+    "Future/Task exception was never retrieved" from asyncio."""
+    port = str(_free_port())
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    procs = [subprocess.Popen([sys.executable, "-c", FAILING_RUN, str(r), port, scenario],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    try:
+        outcomes = [proc.communicate(timeout=BOUND) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert [p.returncode for p in procs] == [1, 3], [err[-3000:] for _, err in outcomes]
+    stderr = outcomes[0][1]
+    assert "never retrieved" not in stderr, stderr
+    final = [line for line in stderr.splitlines()
+             if "netdist.torch.errors.NetdistNetworkError: " in line]
+    assert len(final) == 1, stderr
+    assert "lost group rank 1 (transport rank 1)" in final[0], stderr

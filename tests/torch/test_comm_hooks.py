@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -88,13 +89,20 @@ def make_state(kind: str, job: Any, options: dict[str, Any]) -> Any:
 
 
 def train(rank: int, world: int, backend: str, init_method: str, out_dir: str, *,
-          kind: str, options: dict[str, Any], token: str) -> dict[str, Any]:
+          kind: str, options: dict[str, Any], token: str,
+          hide_ml_dtypes: bool = False) -> dict[str, Any]:
     """One rank: a plain DDP model and a hooked one, trained on the same batches.
 
     On Gloo the hook gets a netdist Job of its own; on the netdist backend it shares the
-    backend's (``job_of()``), which the process group closes.
+    backend's (``job_of()``), which the process group closes. ``hide_ml_dtypes`` runs
+    the rank as if ``ml_dtypes`` were not installed (netdist is not imported yet in a
+    fresh rank process).
     """
+    if hide_ml_dtypes:
+        assert "netdist.types" not in sys.modules
+        sys.modules["ml_dtypes"] = None  # type: ignore[assignment] - as if not installed
     from netdist.torch.hooks import comm_hook, job_of
+    from netdist.types import BFLOAT16, BFLOAT16_RAW
 
     init_process_group(rank, world, backend, init_method)
     own_job = backend != "netdist"
@@ -142,15 +150,18 @@ def train(rank: int, world: int, backend: str, init_method: str, out_dir: str, *
             report = state.report
             record["log"] = [[e.worker, e.worker_version, e.server_version] for e in report.log]
             record["report"] = [report.version, report.num_workers]
+        record["raw_bfloat16"] = BFLOAT16 == BFLOAT16_RAW
         return record
     finally:
         if own_job:
             job.close()
 
 
-def run(kind: str, tmp_path: Path, backend: str = "gloo", **options: Any) -> list[dict[str, Any]]:
+def run(kind: str, tmp_path: Path, backend: str = "gloo", *, hide_ml_dtypes: bool = False,
+        **options: Any) -> list[dict[str, Any]]:
     return run_ranks(train, WORLD, backend, tmp_path, timeout=RUN_TIMEOUT, kind=kind,
-                     options=options, token=secrets.token_hex(16))
+                     options=options, token=secrets.token_hex(16),
+                     hide_ml_dtypes=hide_ml_dtypes)
 
 
 def numels() -> list[int]:
@@ -218,11 +229,15 @@ def test_topk_error_feedback_residual_and_bytes(tmp_path: Path) -> None:
     assert_bitwise_equal(ranks[0]["hooked_params"], ranks[1]["hooked_params"], "params")
 
 
-@pytest.mark.parametrize("kind, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
-def test_cast_hook_is_ddp_on_rounded_gradients(tmp_path: Path, kind: str,
-                                               dtype: torch.dtype) -> None:
-    """Each rank's gradient / 2 rounded to the wire dtype, summed in that dtype, cast back."""
-    ranks = run(kind, tmp_path)
+@pytest.mark.parametrize("kind, dtype, hide_ml_dtypes", [
+    ("fp16", torch.float16, False), ("bf16", torch.bfloat16, False),
+    ("bf16", torch.bfloat16, True)], ids=["fp16", "bf16", "bf16-without-ml_dtypes"])
+def test_cast_hook_is_ddp_on_rounded_gradients(tmp_path: Path, kind: str, dtype: torch.dtype,
+                                               hide_ml_dtypes: bool) -> None:
+    """Each rank's gradient / 2 rounded to the wire dtype, summed in that dtype, cast back;
+    for bfloat16 the same bits with ``ml_dtypes`` and without it (raw bits on the wire)."""
+    ranks = run(kind, tmp_path, hide_ml_dtypes=hide_ml_dtypes)
+    assert [out["raw_bfloat16"] for out in ranks] == [hide_ml_dtypes] * WORLD
     for step in range(STEPS):
         for i in range(len(numels())):
             halves = [(out["local"][step][i] * (1.0 / WORLD)).to(dtype) for out in ranks]
