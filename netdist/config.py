@@ -8,6 +8,7 @@ Kubernetes indexed Job or Docker Compose needs no extra wiring.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import warnings
 from collections.abc import Mapping
@@ -17,7 +18,8 @@ from typing import Any
 from netdist.errors import ConfigError
 
 __all__ = ["WireLimits", "AdmissionLimits", "DistributedConfig", "parse_host_port", "DEFAULT_PORT",
-           "MIN_TOKEN_LENGTH", "WeakTokenWarning", "check_token_strength", "redacted_repr"]
+           "MIN_TOKEN_LENGTH", "WeakTokenWarning", "check_token_strength", "redacted_repr",
+           "ConnectMode"]
 
 DEFAULT_PORT = 29400
 """Coordinator port used when only a host is given (torchrun's MASTER_PORT default is 29500)."""
@@ -137,6 +139,18 @@ class AdmissionLimits:
                               f"{self.refusal_log_interval}")
 
 
+class ConnectMode(enum.Enum):
+    """When a rank opens its connections to the other ranks (``DistributedConfig.connect``)."""
+
+    LAZY = "lazy"
+    """On first use: the first send to a peer, or the first receive posted from it, connects
+    (either side may; one connection per pair survives). A rank holds only the connections
+    its algorithms use. The default."""
+    EAGER = "eager"
+    """At start-up, to every other rank: n(n-1)/2 connections in the job before ``connect``
+    returns (each rank connects to every lower rank and waits for every higher one)."""
+
+
 def parse_host_port(text: str, *, what: str = "address") -> tuple[str, int]:
     """Parse ``host:port`` (or ``[v6]:port``, or a bare host with the default port)."""
     text = text.strip()
@@ -223,6 +237,9 @@ class DistributedConfig:
     limits: WireLimits = field(default_factory=WireLimits)
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     """Bounds on connections that have not authenticated yet (see ``AdmissionLimits``)."""
+    connect: ConnectMode = ConnectMode.LAZY
+    """When to connect to the peers: ``"lazy"`` (on first use, the default) or ``"eager"``
+    (all of them at start-up); a ``ConnectMode`` or its value."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -243,6 +260,12 @@ class DistributedConfig:
             raise ConfigError("job_id must not be empty")
         if self.token is not None and type(self.token) is not str:
             raise ConfigError(f"token must be a str or None, got {type(self.token).__name__}")
+        if not isinstance(self.connect, ConnectMode):
+            mode = self.connect.strip().lower() if isinstance(self.connect, str) else None
+            if mode not in ("lazy", "eager"):
+                raise ConfigError(f"connect (NETDIST_CONNECT) must be 'lazy' or 'eager', got "
+                                  f"{self.connect!r}")
+            object.__setattr__(self, "connect", ConnectMode(mode))
         check_token_strength(self.token, stacklevel=3)  # -> whoever built the config
 
     def __repr__(self) -> str:
@@ -307,7 +330,7 @@ class DistributedConfig:
 
         for key, var in (("job_id", "NETDIST_JOB_ID"), ("token", "NETDIST_TOKEN"),
                          ("advertise_addr", "NETDIST_ADVERTISE_ADDR"),
-                         ("listen_host", "NETDIST_LISTEN_HOST")):
+                         ("listen_host", "NETDIST_LISTEN_HOST"), ("connect", "NETDIST_CONNECT")):
             value = _first(env, var)
             if value is not None:
                 values[key] = value

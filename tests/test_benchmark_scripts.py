@@ -75,3 +75,28 @@ def test_torch_ddp_quick_runs_both_backends(tmp_path: Path) -> None:
     assert names == ["DDP step time, 2 ranks: netdist / gloo <= 0.8",
                      "all_reduce 8 B latency, 2 ranks: netdist / gloo <= 0.5"]
     assert sum(line.startswith(("PASS  ", "MISS  ")) for line in done.stdout.splitlines()) == 2
+
+
+def test_scale_runs_small_jobs_and_judges_its_targets(tmp_path: Path) -> None:
+    """scale.py at n = 2 and 4 (lazy) and 2 (eager): every job completes with correct
+    results, a ring all-reduce leaves each lazy rank exactly its 2 neighbours (1 at n = 2)
+    while eager ranks hold everyone from the start, and every PS round completes (no
+    timing is asserted: the connect-time line may read PASS or MISS)."""
+    import json
+
+    out = tmp_path / "scale.json"
+    done = _run([str(REPO / "benchmarks" / "scale.py"), "--sizes", "2,4", "--eager", "2",
+                 "--ps-rounds", "2", "--ring-kib", "16", "--ps-kib", "4",
+                 "--json", str(out)], timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["plan"] == ["lazy 2", "lazy 4", "eager 2"]
+    runs = result["results"]
+    for key, joined, ring in (("lazy 2", 0, 1), ("lazy 4", 0, 2), ("eager 2", 1, 1)):
+        run = runs[key]
+        assert (run["runs"], run["failed"], run["correct"]) == (1, 0, True), key
+        assert run["peers_joined"]["max"] == joined and run["peers_ring"]["max"] == ring, key
+        assert run["ps"]["completed"] == 2, key
+    assert "PASS  connections per rank after a ring all-reduce, lazy n=4: at most 2" in done.stdout
+    assert "PASS  sync PS 1 server + 3 workers: 2/2 rounds on every rank" in done.stdout
+    assert sum(line.startswith(("PASS  ", "MISS  ")) for line in done.stdout.splitlines()) == 5

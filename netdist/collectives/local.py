@@ -8,7 +8,8 @@ being read. Every wait is a transport ``recv`` under the collective's deadline, 
 lost or slow peer fails the operation exactly as it would over TCP.
 
 All-reduce, per round ``k`` (``L`` ranks on the host; the data cut into ``L`` chunks as
-the ring cuts it, and each chunk into rounds of ``slot_bytes / L``):
+the ring cuts it, and each chunk into rounds of ``slot_bytes / L``; a collective picks its
+slot size so that it takes about ``TARGET_ROUNDS`` rounds, within limits):
 
 1. every rank copies piece ``k`` of every chunk into its slot and signals ``in``;
 2. rank ``j`` folds piece ``k`` of chunk ``j`` over all slots, lowest rank first, into
@@ -21,6 +22,11 @@ wait for round ``k``'s reductions. Why two parities suffice: a rank writes its p
 slot again (round ``k + 2``) only after everyone signalled ``red`` for round ``k``, and
 folds into the parity-p result only after everyone signalled ``in`` for round ``k + 2``,
 which each rank does after copying round ``k``'s result out.
+
+Between collectives the same holds: each one ends only when no other rank still reads
+what this rank writes first in the next (the final ``red``/``done`` waits, and the
+broadcast root's release), and the group runs its shared-memory collectives one at a
+time in issue order (``HostPath``).
 """
 
 from __future__ import annotations
@@ -49,10 +55,17 @@ __all__ = ["HostArena", "HostPath", "open_host_arena", "host_all_reduce", "host_
 logger = logging.getLogger("netdist.collectives")
 
 DEFAULT_SLOT_BYTES = 4 * 1024 * 1024
-"""Bytes each rank stages per round; the segment holds ``2 * (L + 1)`` of them."""
+"""Fewest bytes each rank stages per round (``Group(shm_slot_bytes=)``)."""
 
-SEGMENT_BUDGET = 64 * 1024 * 1024
-"""With many ranks on a host, slots shrink so a segment stays near this size."""
+MAX_SLOT_BYTES = 16 * 1024 * 1024
+"""Most bytes each rank stages per round: large collectives take about ``TARGET_ROUNDS``
+rounds up to this, since every round costs ``2 (L - 1)`` signals per rank."""
+
+TARGET_ROUNDS = 4
+
+SEGMENT_BUDGET = 256 * 1024 * 1024
+"""With many ranks on a host, the largest slot shrinks so a segment stays within this
+(address space: pages are touched only as large collectives use them)."""
 
 _ALIGN = 64
 _SIGNAL = b"\x01"
@@ -89,15 +102,26 @@ class _Pieces:
 class HostArena:
     """The shared segment of one group's ranks on this host, and the collectives over it."""
 
-    def __init__(self, segment: SharedSegment, layout: HostLayout, slot_bytes: int) -> None:
+    def __init__(self, segment: SharedSegment, layout: HostLayout, min_slot: int,
+                 max_slot: int) -> None:
         self.segment = segment
         self.layout = layout
-        self.slot_bytes = slot_bytes
+        self.min_slot = min_slot
+        self.max_slot = max_slot
+        self.slot_bytes = min_slot
+        """The running collective's slot size (the arena runs one at a time)."""
         self._peers = tuple(p for p in layout.local_ranks if p != layout.rank)
 
     @staticmethod
-    def data_bytes(local_size: int, slot_bytes: int) -> int:
-        return 2 * (local_size + 1) * slot_bytes
+    def data_bytes(local_size: int, max_slot: int) -> int:
+        return 2 * (local_size + 1) * max_slot
+
+    def _size_slots(self, per_rank_bytes: int) -> None:
+        """Pick this collective's slot size from the bytes each rank stages in all: about
+        ``TARGET_ROUNDS`` rounds, within ``min_slot .. max_slot`` (equal on every rank)."""
+        wanted = -(-per_rank_bytes // TARGET_ROUNDS)
+        wanted = -(-wanted // 4096) * 4096
+        self.slot_bytes = max(self.min_slot, min(self.max_slot, wanted))
 
     @property
     def local_size(self) -> int:
@@ -156,6 +180,7 @@ class HostArena:
                          divisor: int | None) -> None:
         """All-reduce ``flat`` in place among this host's ranks (see the module docstring)."""
         n = self.local_size
+        self._size_slots(flat.nbytes)
         pieces = self._pieces(flat, chunk_bounds(flat.size, n))
         width = n * pieces.piece
         j = self.layout.local
@@ -180,6 +205,7 @@ class HostArena:
         """Reduce ``flat`` among this host's ranks; local rank ``j`` gets chunk ``j`` in
         ``out`` (which may be ``flat[chunk j]`` itself: each piece is staged before it is
         overwritten)."""
+        self._size_slots(flat.nbytes)
         pieces = self._pieces(flat, chunks)
         lo = chunks[self.layout.local][0]
         for k in range(pieces.rounds):
@@ -199,6 +225,7 @@ class HostArena:
         """Every local rank's chunk of ``out_flat`` (already in place on its owner) lands
         in every local rank's ``out_flat``."""
         me = self.layout.local
+        self._size_slots(max(b - a for a, b in chunks) * out_flat.itemsize)
         piece = max(1, self.slot_bytes // out_flat.itemsize)
         pieces = _Pieces(chunks, piece)
         for k in range(pieces.rounds):
@@ -223,6 +250,7 @@ class HostArena:
         when all copies are out: no rank's next collective writes its slot earlier."""
         me = self.layout.local
         root_rank = self.layout.local_ranks[root]
+        self._size_slots(-(-flat.nbytes // self.local_size))
         piece = max(1, self.local_size * self.slot_bytes // flat.itemsize)
         rounds = max(1, -(-flat.size // piece))
         for k in range(rounds):
@@ -255,57 +283,80 @@ async def open_host_arena(chan: Channel, enabled: bool,
     """Find which ranks of ``chan``'s group share a host and give them a shared segment.
 
     Every rank of the group calls this at the same collective (the group's first large
-    one). The host keys travel over the authenticated transport; each host's lowest rank
-    creates the segment and sends its locator to the others, who attach. A second
-    exchange agrees on the outcome: if any rank could not create or attach, every rank
-    uses TCP (and says why once, at warning level).
+    one). Host keys come from the transport (registered at rendezvous); a transport
+    that does not know them has the ranks exchange them over the authenticated transport.
+    If no two ranks can share memory, that is the answer, with no message at all.
+    Otherwise each host's lowest rank creates the segment and sends its locator to the
+    others, who attach, and one exchange agrees on the outcome: if any rank has shared
+    memory off, or could not create or attach, every rank uses TCP (saying why once).
     """
-    setup = chan.derive(_SUB_SETUP)
-    blobs = await bruck_all_gather_blobs(setup, msgpack.packb([enabled, host_key()]))
-    entries = [msgpack.unpackb(blob) for blob in blobs]
-    layout = HostLayout.from_keys([bytes(key) for _, key in entries],
-                                  [bool(on) for on, _ in entries], chan.rank)
+    known = chan.transport.host_keys()
+    if known is None:
+        setup = chan.derive(_SUB_SETUP)
+        blobs = await bruck_all_gather_blobs(setup, msgpack.packb([enabled, host_key()]))
+        entries = [msgpack.unpackb(blob) for blob in blobs]
+        keys = [bytes(key) for _, key in entries]
+        flags = [bool(on) for on, _ in entries]
+    else:
+        keys = [known[r] for r in chan.ranks]
+        flags = [True] * len(keys)  # each rank's own setting is agreed on below
+    layout = HostLayout.from_keys(keys, flags, chan.rank)
     if layout.mode is LocalMode.TCP:
         return layout, None
     local_size = len(layout.local_ranks)
     fit = SEGMENT_BUDGET // (2 * (local_size + 1)) // 4096 * 4096
-    slot_bytes = max(64 * 1024, min(slot_bytes, fit))
-    size = HostArena.data_bytes(local_size, slot_bytes)
-    segment: SharedSegment | None = None
-    problem: str | None = None
-    leader = layout.local_ranks[0]
-    if layout.is_leader:
-        try:
-            segment = SharedSegment.create(size)
-        except SharedMemoryError as exc:
-            problem = str(exc)
-        locator = None if segment is None else segment.locator.pack()
-        for peer in layout.local_ranks[1:]:
-            await chan.send(peer, msgpack.packb(locator), _SUB_LOCATE)
-    else:
-        packed = msgpack.unpackb((await chan.recv(leader, sub=_SUB_LOCATE)).tobytes())
-        if packed is None:
-            problem = f"group rank {leader} could not create the host's segment"
-        else:
-            try:
-                segment = SharedSegment.attach(SegmentLocator.unpack(packed),
-                                               peer=f"group rank {leader}")
-            except SharedMemoryError as exc:
-                problem = str(exc)
-    outcomes = await bruck_all_gather_blobs(setup, msgpack.packb(problem))
-    problems = [(r, msgpack.unpackb(blob)) for r, blob in enumerate(outcomes)]
-    failed = [(r, text) for r, text in problems if text is not None]
+    max_slot = max(64 * 1024, min(MAX_SLOT_BYTES, fit))
+    min_slot = max(4096, min(slot_bytes, max_slot))
+    segment, problem = await _create_or_attach(chan, layout, enabled, max_slot)
+    outcomes = await bruck_all_gather_blobs(chan.derive(_SUB_SETUP), msgpack.packb(problem))
+    failed = [(r, text) for r, text in enumerate(msgpack.unpackb(b) for b in outcomes)
+              if text is not None]
     if failed:
         if segment is not None:
             segment.close()
         if chan.rank == 0:
-            logger.warning("netdist: shared memory off for this group, collectives use TCP: "
-                           "%s", "; ".join(f"group rank {r}: {t}" for r, t in failed))
+            chosen = all(text == _OFF for _, text in failed)
+            logger.log(logging.INFO if chosen else logging.WARNING,
+                       "netdist: shared memory off for this group, collectives use TCP: "
+                       "%s", "; ".join(f"group rank {r}: {t}" for r, t in failed))
         return HostLayout(LocalMode.TCP, layout.hosts, layout.rank, layout.host,
                           layout.local), None
     assert segment is not None
     segment.release_fd()  # every local peer has attached (the exchange above says so)
-    return layout, HostArena(segment, layout, slot_bytes)
+    return layout, HostArena(segment, layout, min_slot, max_slot)
+
+
+_OFF = "shared memory is off on this rank (NETDIST_SHM=0 or shared_memory=False)"
+
+
+async def _create_or_attach(chan: Channel, layout: HostLayout, enabled: bool,
+                            max_slot: int) -> tuple[SharedSegment | None, str | None]:
+    """The host's lowest rank creates the segment and sends its locator to the host's
+    other ranks, which attach; returns the segment and this rank's problem, if any."""
+    size = HostArena.data_bytes(len(layout.local_ranks), max_slot)
+    leader = layout.local_ranks[0]
+    segment: SharedSegment | None = None
+    problem: str | None = None if enabled else _OFF
+    if layout.is_leader:
+        if enabled:
+            try:
+                segment = SharedSegment.create(size)
+            except SharedMemoryError as exc:
+                problem = str(exc)
+        locator = None if segment is None else segment.locator.pack()
+        for peer in layout.local_ranks[1:]:
+            await chan.send(peer, msgpack.packb(locator), _SUB_LOCATE)
+        return segment, problem
+    packed = msgpack.unpackb((await chan.recv(leader, sub=_SUB_LOCATE)).tobytes())
+    if not enabled:
+        return None, problem
+    if packed is None:
+        return None, f"group rank {leader} could not create the host's segment"
+    try:
+        return SharedSegment.attach(SegmentLocator.unpack(packed),
+                                    peer=f"group rank {leader}"), None
+    except SharedMemoryError as exc:
+        return None, str(exc)
 
 
 class HostPath:

@@ -837,16 +837,22 @@ async def listen(host: str, port: int, factory: Callable[[], asyncio.BaseProtoco
 
 
 async def open_connection(host: str, port: int, factory: Callable[[], FrameConnection],
-                          *, deadline: float, what: str, retry: bool) -> FrameConnection:
+                          *, deadline: float, what: str, retry: bool,
+                          refused_grace: float | None = None) -> FrameConnection:
     """Connect to ``host:port``; with ``retry`` keep trying until ``deadline`` (loop time).
 
     Retrying covers a server that is not up yet (rank 0 may start after the others).
-    Raises ``ConnectError`` naming ``what`` and the last OS error.
+    With ``refused_grace`` (seconds), a port that has refused every attempt for that long
+    is given up on before ``deadline``: for a peer whose listener was bound before its
+    address was published, a refusal means it is gone. Raises ``ConnectError`` naming
+    ``what`` and the last OS error, which is also its ``__cause__``
+    (``ConnectionRefusedError`` when refused).
     """
     loop = asyncio.get_running_loop()
     delay = 0.02
     attempts = 0
     last: BaseException | None = None
+    refused_since: float | None = None
     while True:
         attempts += 1
         remaining = deadline - loop.time()
@@ -861,6 +867,13 @@ async def open_connection(host: str, port: int, factory: Callable[[], FrameConne
             break
         except OSError as exc:
             last = exc
+            if isinstance(exc, ConnectionRefusedError):
+                now = loop.time()
+                refused_since = now if refused_since is None else refused_since
+                if refused_grace is not None and now - refused_since >= refused_grace:
+                    break
+            else:
+                refused_since = None
         if not retry:
             break
         pause = min(delay, deadline - loop.time())
@@ -870,7 +883,7 @@ async def open_connection(host: str, port: int, factory: Callable[[], FrameConne
         delay = min(delay * 2, 0.5)
     reason = "" if last is None else f": {type(last).__name__}: {last}"
     raise ConnectError(f"{what}: cannot connect to {host}:{port} "
-                       f"({attempts} attempt{'s' if attempts != 1 else ''}){reason}")
+                       f"({attempts} attempt{'s' if attempts != 1 else ''}){reason}") from last
 
 
 RETRY_FIRST_PAUSE = 0.02

@@ -29,7 +29,9 @@ __all__ = ["PeerMailbox", "Landing", "check_out_buffer", "byte_view"]
 
 
 def byte_view(array: np.ndarray) -> np.ndarray:
-    """A flat ``uint8`` view of a C-contiguous array's memory (no copy)."""
+    """A flat ``uint8`` NumPy view of a C-contiguous array's memory (no copy), for
+    copying payload bytes between arrays of any dtype. (The checkpoint's
+    ``storage.byte_memoryview`` is a ``memoryview`` for file I/O instead.)"""
     return array.reshape(-1).view(np.uint8) if array.ndim else array.reshape(1).view(np.uint8)
 
 
@@ -113,6 +115,10 @@ class PeerMailbox:
     @property
     def failed(self) -> bool:
         return self._failure is not None
+
+    def failure(self) -> Exception | None:
+        """The error every receive now raises, or ``None`` while the peer is alive."""
+        return None if self._failure is None else self._failure()
 
     def _new_future(self) -> asyncio.Future[np.ndarray]:
         if self._loop is None:

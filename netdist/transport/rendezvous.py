@@ -6,11 +6,14 @@ later), authenticates with the same HMAC handshake as peer connections (the coor
 speaks with role ``"coordinator"``), then exchanges control frames whose headers are
 msgpack maps::
 
-    rank -> coordinator   HELLO {op: "register", rank, world_size, host, port}
-    coordinator -> rank   OK    {op: "table", addresses: [[host, port], ...]}   (rank order)
+    rank -> coordinator   HELLO {op: "register", rank, world_size, host, port, host_key}
+    coordinator -> rank   OK    {op: "table", addresses: [[host, port, host_key], ...]}
+                                                                    (rank order)
                     or    ERROR {reason, code, missing}
                           code: "duplicate_rank" | "world_size" | "timeout" | "bad_request"
 
+``host_key`` (optional, 32 hex digits; ``netdist.transport.shm.host_key``) tells which
+ranks share a host and can share memory, so groups know it without another exchange.
 The table goes out once every rank has registered. A duplicate rank or a world-size
 mismatch is refused (``RendezvousError`` on the offender, the job continues to wait for
 the right process); ranks that never arrive make every registered rank raise
@@ -69,6 +72,8 @@ class PeerAddress:
 
     host: str
     port: int
+    host_key: bytes = b""
+    """Which ranks share a host (equal keys; empty if the rank did not say)."""
 
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
@@ -240,14 +245,16 @@ class Coordinator:
                          f" listening at {previous.address}); this process at "
                          f"{conn.peername()} has a duplicate rank")
             return
-        self._registered[rank] = _Registration(PeerAddress(fields["host"], fields["port"]),
-                                               conn)
+        self._registered[rank] = _Registration(
+            PeerAddress(fields["host"], fields["port"], _host_key(fields.get("host_key"))),
+            conn)
         if len(self._registered) == self.config.world_size:
             self._publish()
 
     def _publish(self) -> None:
-        table = [[self._registered[r].address.host, self._registered[r].address.port]
-                 for r in range(self.config.world_size)]
+        table = [[entry.host, entry.port, entry.host_key.hex()]
+                 for entry in (self._registered[r].address
+                               for r in range(self.config.world_size))]
         frame = encode_control(FrameKind.OK, {"op": "table", "addresses": table},
                                limits=_rendezvous_limits(self.config))
         self._finish()
@@ -372,7 +379,7 @@ class RendezvousClient:
         conn = self._conn
         conn.write_control(encode_control(FrameKind.HELLO, {
             "op": "register", "rank": config.rank, "world_size": config.world_size,
-            "host": address.host, "port": address.port}))
+            "host": address.host, "port": address.port, "host_key": address.host_key.hex()}))
         loop = asyncio.get_running_loop()
         try:
             frame = await conn.next_control(
@@ -397,7 +404,9 @@ class RendezvousClient:
                 or not all(_valid_entry(entry) for entry in table)):
             raise RendezvousError(f"rank {config.rank}: malformed rendezvous table from the "
                                   f"{conn.label}: {frame.kind.name} {sorted(fields)}")
-        return tuple(PeerAddress(entry[0], entry[1]) for entry in table)
+        return tuple(PeerAddress(entry[0], entry[1],
+                                 _host_key(entry[2] if len(entry) > 2 else None))
+                     for entry in table)
 
     async def aclose(self) -> None:
         """Close the coordinator connection (bounded wait)."""
@@ -406,8 +415,19 @@ class RendezvousClient:
 
 
 def _valid_entry(entry: Any) -> bool:
-    return (isinstance(entry, (list, tuple)) and len(entry) == 2 and type(entry[0]) is str
-            and type(entry[1]) is int and 0 < entry[1] < 65536)
+    return (isinstance(entry, (list, tuple)) and len(entry) in (2, 3)
+            and type(entry[0]) is str and type(entry[1]) is int and 0 < entry[1] < 65536
+            and (len(entry) == 2 or type(entry[2]) is str))
+
+
+def _host_key(value: Any) -> bytes:
+    """A registered host key: 32 hex digits, else empty (unknown: no shared memory)."""
+    if type(value) is not str or len(value) != 32:
+        return b""
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        return b""
 
 
 OnCoordinatorReady = Callable[[tuple[str, int]], None]

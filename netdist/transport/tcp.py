@@ -1,17 +1,35 @@
-"""``TcpTransport``: one authenticated TCP connection per pair of ranks.
+"""``TcpTransport``: at most one authenticated TCP connection per pair of ranks.
 
 Start-up (``TcpTransport.connect(config)``):
 
 1. rank 0 starts the rendezvous coordinator (``netdist.transport.rendezvous``);
 2. every rank reaches the coordinator, binds its peer listener on the address the
    coordinator sees it at (or ``listen_host`` / ``advertise_addr``), registers it and
-   receives the address table;
-3. the higher rank of every pair connects to the lower one; both sides run the HMAC
-   handshake; duplicates and strangers are refused (strangers are logged and dropped,
-   the job is undisturbed). Strangers are bounded (``netdist.transport.admission``):
-   at most ``AdmissionLimits.max_unauthenticated`` mid-handshake per process, each with
-   a small read buffer and ``handshake_timeout`` to authenticate, none while
-   descriptors run short; a rank refused that way retries until the join timeout;
+   receives the address table -- only once every rank has registered, so a missing
+   rank is still reported at start-up (``RendezvousTimeoutError`` naming it);
+3. connections (``config.connect``):
+
+   - ``ConnectMode.LAZY`` (default): none yet. A rank connects to a peer the first time
+     it sends to it or posts a receive from it, so it holds only the connections its
+     algorithms use (a ring all-reduce: its two neighbours; a parameter-server worker:
+     the server) and start-up costs O(n), not O(n^2) handshakes. Either side may
+     connect; when both do at once, the connection the lower rank initiated survives
+     (``netdist.transport.links``), and senders waiting for a connection keep their
+     call order. A peer that cannot be reached on first use -- its port refuses the
+     connection (nothing listens: it is gone), or it does not complete the handshake
+     within a liveness window -- fails every operation on it with ``PeerLostError``, as a
+     lost connection does. A rank that leaves tells its reason (BYE, or the ERROR naming
+     whom to blame) to the peers connected to it; one that first connects after it left
+     learns only that it is gone (``origin_rank`` is then the departed rank itself);
+   - ``ConnectMode.EAGER``: the higher rank of every pair connects to the lower one
+     before ``connect`` returns (n(n-1)/2 connections).
+
+   Both sides run the HMAC handshake; duplicates and strangers are refused (strangers
+   are logged and dropped, the job is undisturbed). Strangers are bounded
+   (``netdist.transport.admission``): at most ``AdmissionLimits.max_unauthenticated``
+   mid-handshake per process, each with a small read buffer and ``handshake_timeout``
+   to authenticate, none while descriptors run short; a rank refused that way retries
+   until the join timeout;
 4. a monitor task sends HEARTBEAT frames on idle connections and declares a peer lost
    after ``heartbeat_interval * heartbeat_misses`` of silence -- measured only over time
    our own event loop was responsive, so a long NumPy computation here never makes a
@@ -21,7 +39,8 @@ Data path: see ``netdist.transport.connection`` (zero-copy receive into ``out=``
 through ``asyncio.BufferedProtocol``; sends return once the array's memory is free).
 
 Failure semantics: every wait is bounded (per-call ``timeout``, default
-``config.timeout``); a lost peer fails every pending and later operation on it with
+``config.timeout``; a connection made on first use within ``config.join_timeout``); a
+lost or unreachable peer fails every pending and later operation on it with
 ``PeerLostError`` naming it and saying why; ``aclose()`` sends BYE, so peers report
 "rank N closed its transport (left the job)", is idempotent and completes under
 cancellation. A rank that closes after losing a peer, or aborts (``abort(error)``,
@@ -34,11 +53,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from netdist.config import DistributedConfig
+from netdist.config import ConnectMode, DistributedConfig
 from netdist.errors import (
     AuthenticationError,
     ConnectError,
@@ -66,7 +86,15 @@ from netdist.transport.connection import (
     retry_pause,
     run_handshake,
 )
+from netdist.transport.links import (
+    REFUSED_GRACE,
+    PeerLinks,
+    is_tie_refusal,
+    tie_refusal,
+    unreachable_reason,
+)
 from netdist.transport.mailbox import PeerMailbox
+from netdist.transport.shm import host_key
 from netdist.transport.spin import SpinPolicy, default_spin_seconds, ranks_sharing_host
 from netdist.transport.rendezvous import (
     Coordinator,
@@ -111,6 +139,10 @@ class TcpTransport(Transport):
             None if peer == self.rank else PeerMailbox(peer, self._loop, self.spin)
             for peer in range(self.world_size)]
         self._connections: list[FrameConnection | None] = [None] * self.world_size
+        """Per peer, the one connection adopted (kept once failed: a lost peer stays lost)."""
+        self._eager = config.connect is ConnectMode.EAGER
+        self._links = PeerLinks(self._loop)
+        """Connections on first use (lazy mode): dials, unreachable peers, waiting senders."""
         self._handshaking: set[FrameConnection] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.Server | None = None
@@ -132,11 +164,13 @@ class TcpTransport(Transport):
     @classmethod
     async def connect(cls, config: DistributedConfig, *,
                       on_coordinator_ready: OnCoordinatorReady | None = None) -> TcpTransport:
-        """Rendezvous with the other ranks and connect to all of them.
+        """Rendezvous with the other ranks (and, with ``connect="eager"``, connect to all).
 
-        Returns once a connection to every other rank is authenticated. Bounded by
-        ``config.join_timeout`` per phase (reaching the coordinator, waiting for the
-        table, connecting the mesh). Rank 0 calls ``on_coordinator_ready(host, port)``
+        Returns once every rank has registered and this rank has the address table
+        (lazy, the default: peers are connected on first use), or once a connection to
+        every other rank is authenticated (eager). Bounded by ``config.join_timeout``
+        per phase (reaching the coordinator, waiting for the table, connecting the
+        mesh). Rank 0 calls ``on_coordinator_ready(host, port)``
         once its coordinator is bound (useful with port 0). On failure everything opened
         so far is closed and the error is raised: ``ConnectError`` /
         ``AuthenticationError``, ``RendezvousError``, ``RendezvousTimeoutError``,
@@ -177,7 +211,8 @@ class TcpTransport(Transport):
                 token=config.token,
                 insecure=config.insecure, what=f"rank {self.rank}'s peer listener",
                 fallback_to_all=config.listen_host is None)
-            table = await client.register(PeerAddress(advertise, self.listen_address[1]))
+            table = await client.register(PeerAddress(advertise, self.listen_address[1],
+                                                      host_key()))
         finally:
             await client.aclose()
         self.peer_addresses = table
@@ -188,7 +223,8 @@ class TcpTransport(Transport):
             await self._coordinator.wait_finished(config.join_timeout)
             await self._coordinator.aclose()
             self._coordinator = None
-        await self._connect_mesh(table, loop.time() + config.join_timeout)
+        if self._eager:
+            await self._connect_mesh(table, loop.time() + config.join_timeout)
         self._monitor_task = self._spawn(self._monitor(), "heartbeat monitor")
 
     async def _connect_mesh(self, table: tuple[PeerAddress, ...], deadline: float) -> None:
@@ -210,27 +246,38 @@ class TcpTransport(Transport):
         except BaseExceptionGroup as group_error:
             raise _first_error(group_error) from None
 
-    async def _connect_peer(self, peer: int, address: PeerAddress, deadline: float) -> None:
+    async def _connect_peer(self, peer: int, address: PeerAddress, deadline: float, *,
+                            silence: float | None = None,
+                            refused_grace: float | None = None) -> None:
         """Connect to ``peer`` and authenticate, retrying a dropped attempt until ``deadline``.
 
         A connection closed before the handshake finished (not refused by it) is tried
         again after a back-off: the peer may have been at its bound on unauthenticated
-        connections (``AdmissionLimits``), which closes new ones at once.
+        connections (``AdmissionLimits``), which closes new ones at once. For connections
+        made on first use, a peer that does not complete the handshake within
+        ``silence`` seconds is given up on (stopped or partitioned, as heartbeats would
+        say), and so is a port that refuses connections for ``refused_grace`` seconds
+        (nothing listens there any more).
         """
         label = f"rank {peer}"
         where = str(address)
         pause: float | None = RETRY_FIRST_PAUSE
         while True:
+            if self._connections[peer] is not None:
+                return  # (lazy) the peer's own connection to us was adopted meanwhile
             conn = await open_connection(
                 address.host, address.port,
                 lambda: FrameConnection(
                     self.config.limits, label=label, on_failed=self._on_connection_failed,
                     handshake_header_bytes=self.config.admission.handshake_header_bytes),
-                deadline=deadline, retry=True, what=f"rank {self.rank} connecting to {label}")
+                deadline=deadline, retry=True, what=f"rank {self.rank} connecting to {label}",
+                refused_grace=refused_grace)
             handshake = ClientHandshake(self._identity, expect_role="rank", expect_rank=peer,
                                         peer_label=where)
+            attempt = self._loop.time()
+            answer_by = deadline if silence is None else min(deadline, attempt + silence)
             try:
-                await run_handshake(conn, handshake, deadline=deadline,
+                await run_handshake(conn, handshake, deadline=answer_by,
                                     what=f"handshake with {label} at {where}",
                                     first=handshake.initiate())
                 if self._closed:
@@ -241,6 +288,11 @@ class TcpTransport(Transport):
             except BaseException as exc:
                 conn.close(send_bye=False, reason="handshake failed")
                 await conn.wait_closed(1.0)
+                if isinstance(exc, NetdistTimeoutError) and silence is not None:
+                    raise NetdistTimeoutError(
+                        f"rank {peer} at {where} did not complete the handshake within "
+                        f"{answer_by - attempt:.1f}s: presumed dead (stopped, partitioned, or "
+                        "computing without a progress thread)") from None
                 if type(exc) is ConnectError and not self._closed:
                     pause = await retry_pause(pause, deadline)
                     if pause is not None:
@@ -265,19 +317,31 @@ class TcpTransport(Transport):
         self._spawn(self._serve_handshake(conn), f"handshake with {conn.label}")
 
     def _accept_reason(self, rank: int) -> str | None:
-        if rank < self.rank:
+        """Why an authenticated connection from ``rank`` is refused (None: adopt it)."""
+        if self._eager and rank < self.rank:
             return (f"rank {rank} must accept a connection from rank {self.rank}, "
                     "not connect to it")
         if self._connections[rank] is not None:
             return f"duplicate connection from rank {rank} (already connected)"
         if self._closed:
             return f"rank {self.rank} is closing"
+        if rank in self._links.unreachable:
+            return f"rank {self.rank} has given up on rank {rank} (it could not connect to it)"
+        if rank > self.rank and rank in self._links.dials:
+            return tie_refusal(self.rank, rank)
         return None
 
     async def _serve_handshake(self, conn: FrameConnection) -> None:
         where = conn.peername()
-        handshake = ServerHandshake(self._identity, peer_label=where,
-                                    accept_rank=self._accept_reason)
+        vetoed: list[str] = []
+
+        def accept(rank: int) -> str | None:
+            reason = self._accept_reason(rank)
+            if reason is not None:
+                vetoed.append(reason)
+            return reason
+
+        handshake = ServerHandshake(self._identity, peer_label=where, accept_rank=accept)
         try:
             step = await run_handshake(
                 conn, handshake, deadline=self.admission.handshake_deadline(
@@ -285,8 +349,14 @@ class TcpTransport(Transport):
                 what=f"handshake with {where}")
             self._adopt(step.peer_rank, conn)
         except (NetdistError, OSError) as exc:
-            self.admission.log.warning("netdist: rank %d dropped connection from %s: %s",
-                                       self.rank, where, exc)
+            if vetoed and not self._eager:
+                # a rank of this job that proved the token, refused because the pair is
+                # already connected or connecting the other way: an expected race
+                logger.debug("netdist: rank %d refused connection from %s: %s",
+                             self.rank, where, exc)
+            else:
+                self.admission.log.warning("netdist: rank %d dropped connection from %s: %s",
+                                           self.rank, where, exc)
             conn.close(send_bye=False, reason=f"handshake failed: {exc}")
         except asyncio.CancelledError:
             conn.close(send_bye=False, reason="transport closed")
@@ -300,6 +370,7 @@ class TcpTransport(Transport):
             raise conn.error()
         conn.attach(peer, self._mailboxes[peer], f"rank {peer}")
         self._connections[peer] = conn
+        self._links.settle(peer)
         self._check_all_accepted()
 
     def _check_all_accepted(self) -> None:
@@ -317,6 +388,110 @@ class TcpTransport(Transport):
         else:
             logger.warning("netdist: rank %d lost rank %d: %s", self.rank, peer,
                            conn.failure_reason)
+
+    # -- connections on first use (lazy mode) --------------------------------------------
+
+    def _ensure_dial(self, peer: int) -> None:
+        """Start connecting to ``peer`` unless connected, connecting, given up or closed."""
+        links = self._links
+        if (self._eager or self._closed or self._connections[peer] is not None
+                or peer in links.dials or peer in links.unreachable):
+            return
+        links.dials[peer] = self._spawn(self._dial(peer), f"connecting to rank {peer}")
+
+    def _link_settled(self, peer: int) -> bool:
+        return (self._closed or self._connections[peer] is not None
+                or peer in self._links.unreachable)
+
+    async def _dial(self, peer: int) -> None:
+        """Connect to ``peer`` on first use; on failure every operation on it fails.
+
+        Bounded by ``config.join_timeout``; a refused connection gives up at once (after
+        ``REFUSED_GRACE``) and a silent handshake after one liveness window. Refused
+        because ``peer`` (a lower rank) is connecting to us at the same moment, wait for
+        its connection, dialling again after a back-off in case its attempt failed.
+        """
+        loop = self._loop
+        config = self.config
+        window = config.liveness_window
+        deadline = loop.time() + config.join_timeout
+        address = self.peer_addresses[peer]
+        pause = RETRY_FIRST_PAUSE
+        try:
+            while True:
+                try:
+                    await self._connect_peer(peer, address, deadline, silence=window,
+                                             refused_grace=min(REFUSED_GRACE, window))
+                    return
+                except AuthenticationError as exc:
+                    if not (is_tie_refusal(exc) and peer < self.rank) or self._link_settled(peer):
+                        raise
+                # the lower rank's own connection to us wins: wait for it, then try again
+                await self._links.wait_settled(peer, min(pause, deadline - loop.time()))
+                if self._link_settled(peer):
+                    return
+                if loop.time() >= deadline:
+                    raise NetdistTimeoutError(
+                        f"rank {peer} refused this rank's connections for "
+                        f"{config.join_timeout:.1f}s because it was connecting itself, and "
+                        "its own connection never arrived")
+                pause = min(2 * pause, 0.5)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever it was, the peer is unreachable
+            if not self._link_settled(peer):
+                self._give_up(peer, unreachable_reason(peer, str(address), exc))
+        finally:
+            self._links.dials.pop(peer, None)
+
+    def _give_up(self, peer: int, reason: str) -> None:
+        """``peer`` could not be reached: fail every waiter on it, now and later."""
+        rank = self.rank
+
+        def lost() -> Exception:
+            return PeerLostError(peer, reason)
+
+        self._links.unreachable[peer] = lost
+        self._lost.setdefault(peer, (LossOrigin(peer, one_line(reason), rank), True))
+        logger.warning("netdist: rank %d lost rank %d: %s", rank, peer, reason)
+        box = self._mailboxes[peer]
+        if box is not None:
+            box.fail(lost)
+        self._links.settle(peer)
+
+    def lost_peer_error(self, peer: int) -> Exception | None:
+        box = self._mailboxes[peer] if 0 <= peer < self.world_size else None
+        error = None if box is None else box.failure()
+        return error if isinstance(error, PeerLostError) else None
+
+    async def find_lost_peers(self, peers: Sequence[int], *,
+                              timeout: float) -> dict[int, Exception]:
+        """Known losses at once; in lazy mode, also dial (for at most ``timeout``
+        seconds) the listed peers never connected to, as a first use would."""
+        pending = [p for p in peers if 0 <= p < self.world_size and p != self.rank
+                   and not self._link_settled(p)]
+        if pending and not self._eager and timeout > 0:
+            for peer in pending:
+                self._ensure_dial(peer)
+            await asyncio.gather(*(self._links.wait_settled(p, timeout) for p in pending))
+        return await super().find_lost_peers(peers, timeout=timeout)
+
+    def host_keys(self) -> tuple[bytes, ...] | None:
+        """Every rank's host key from the rendezvous table (``None`` if one is missing)."""
+        keys = tuple(entry.host_key for entry in self.peer_addresses)
+        if self.world_size == 1:
+            return (host_key(),)
+        return keys if len(keys) == self.world_size and all(keys) else None
+
+    def connected_peers(self) -> tuple[int, ...]:
+        """Ranks this rank holds a live authenticated connection to, ascending.
+
+        With ``connect="lazy"`` these are the peers it has exchanged messages with (or
+        posted a receive from) so far; with ``"eager"`` every other rank. A connection
+        that failed is not counted.
+        """
+        return tuple(peer for peer, conn in enumerate(self._connections)
+                     if conn is not None and not conn.failed)
 
     # -- liveness ------------------------------------------------------------------------
 
@@ -382,10 +557,13 @@ class TcpTransport(Transport):
                    timeout: float | None = None) -> None:
         """Send ``data`` to ``dst``; returns once ``data``'s memory may be reused.
 
-        Raises ``PeerLostError`` if ``dst`` is gone, ``NetdistTimeoutError`` after
-        ``timeout`` (default ``config.timeout``), ``LocalProtocolError`` for a dtype or
-        size the wire cannot carry. A timeout or cancellation after the frame started
-        going out fails the connection to ``dst`` (see ``Transport.send``).
+        The first send to a peer not connected yet connects to it (lazy mode); sends
+        waiting for that connection leave in the order they were called. Raises
+        ``PeerLostError`` if ``dst`` is gone or cannot be reached,
+        ``NetdistTimeoutError`` after ``timeout`` (default ``config.timeout``, which
+        includes waiting for the connection), ``LocalProtocolError`` for a dtype or size
+        the wire cannot carry. A timeout or cancellation after the frame started going
+        out fails the connection to ``dst`` (see ``Transport.send``).
         """
         if self._closed:
             self.check_open("send")
@@ -394,20 +572,45 @@ class TcpTransport(Transport):
             tag = self.check_tag(tag)
         buffers = encode_data(data, tag=tag, limits=self._limits)
         conn = self._connections[dst]
-        if conn is None:
-            raise ConnectError(f"send: rank {self.rank} has no connection to rank {dst}")
         started = self._loop.time()
+        deadline = started + (self.timeout if timeout is None else timeout)
+        if conn is None or self._links.has_senders(dst):
+            conn = await self._connection_for_send(dst, tag, started, deadline)
         await conn.send_frame(buffers, tag, len(buffers[1]) if len(buffers) > 1 else 0,
-                              started + (self.timeout if timeout is None else timeout),
-                              started)
+                              deadline, started)
+
+    async def _connection_for_send(self, dst: int, tag: int, started: float,
+                                   deadline: float) -> FrameConnection:
+        """The connection to ``dst`` once made (on first use), in senders' call order."""
+        if self._eager:
+            raise ConnectError(f"send: rank {self.rank} has no connection to rank {dst}")
+        self._ensure_dial(dst)
+        try:
+            await self._links.wait_turn(dst, deadline, self._link_settled(dst))
+        except TimeoutError:
+            elapsed = self._loop.time() - started
+            raise NetdistTimeoutError(
+                f"send to rank {dst} (tag {tag}) timed out after {elapsed:.2f}s waiting to "
+                f"connect to rank {dst}") from None
+        self.check_open("send")
+        conn = self._connections[dst]
+        if conn is None:
+            lost = self._links.unreachable.get(dst)
+            if lost is None:  # pragma: no cover - a settled link is one of the three
+                raise ConnectError(f"send: rank {self.rank} has no connection to rank {dst}")
+            raise lost()
+        return conn
 
     async def recv(self, src: int, *, tag: int = 0, out: np.ndarray | None = None,
                    timeout: float | None = None) -> np.ndarray:
         """Receive the next message from ``src`` on ``tag`` (into ``out`` if given).
 
-        On timeout or cancellation the posted receive is withdrawn; if its frame was
-        already landing (in ``out``), the connection to ``src`` is failed instead of
-        letting the rest of the frame write into memory the caller got back.
+        Posting a receive from a peer not connected yet connects to it (lazy mode), so a
+        peer that is gone fails the receive with ``PeerLostError``. On timeout or
+        cancellation the posted receive is withdrawn; if its frame was already landing
+        (in ``out``), the connection to ``src`` is failed instead of letting the rest of
+        the frame write into memory the caller got back. bfloat16 without ``out``: see
+        ``Transport.recv``.
         """
         if self._closed:
             self.check_open("recv")
@@ -417,6 +620,8 @@ class TcpTransport(Transport):
         box = self._mailboxes[src]
         if box is None:  # pragma: no cover - _peer_index excludes our own rank
             raise ValueError(f"src {src} is this rank")
+        if self._connections[src] is None:
+            self._ensure_dial(src)  # waiting on a peer connects to it: its loss is seen
         try:
             return await box.recv(tag, out, self.timeout if timeout is None else timeout)
         except (NetdistTimeoutError, asyncio.CancelledError):
@@ -501,6 +706,7 @@ class TcpTransport(Transport):
 
         if self._server is not None:
             self._server.close()
+        self._links.close()
         for conn in self._connections:
             if conn is not None:
                 conn.close(send_bye=True, error=closed_error,

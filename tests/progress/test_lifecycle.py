@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from netdist.config import DistributedConfig
-from netdist.errors import (CollectiveMismatchError, ConnectError, NetdistTimeoutError,
-                            RendezvousTimeoutError, TransportClosedError)
+from netdist.errors import (BlockingCallError, CollectiveMismatchError, ConnectError,
+                            NetdistTimeoutError, RendezvousTimeoutError, TransportClosedError)
 from netdist.progress import Job, ProgressThread
 
-from tests.progress.jobs import JOIN_SECONDS, jobs_of, on_every_rank, progress_threads
+from tests.progress.jobs import JOIN_SECONDS, jobs_of, progress_threads
+from tests.ranks import on_every_rank
 
 
 def test_a_thread_starts_runs_work_and_is_joined_on_close() -> None:
@@ -70,6 +71,23 @@ def test_run_with_a_timeout_cancels_and_raises_netdist_timeout() -> None:
     with ProgressThread() as progress:
         with pytest.raises(NetdistTimeoutError, match="timed out after 0.05s"):
             progress.run(asyncio.Event().wait(), timeout=0.05)
+    assert progress_threads() == []
+
+
+def test_blocking_calls_from_the_loop_itself_are_refused_not_deadlocked() -> None:
+    with ProgressThread() as progress:
+        async def nested_run() -> None:
+            inner = asyncio.sleep(0)
+            progress.run(inner)
+
+        async def close_from_loop() -> None:
+            progress.close()
+
+        with pytest.raises(BlockingCallError, match=r"run\(\) would block the loop"):
+            progress.run(nested_run())
+        with pytest.raises(BlockingCallError, match=r"close\(\) called from the loop's own"):
+            progress.run(close_from_loop())
+        assert progress.running
     assert progress_threads() == []
 
 
@@ -160,16 +178,20 @@ def test_awaiting_proxy_runs_collectives_on_the_progress_thread_from_asyncio() -
     assert progress_threads() == []
 
 
-def test_a_job_left_on_an_exception_tells_its_peers_whom_to_blame() -> None:
+@pytest.mark.parametrize("connect", ["eager", "lazy"])
+def test_a_job_left_on_an_exception_tells_its_peers_whom_to_blame(connect: str) -> None:
+    """A connected peer hears the reason; one that has not connected yet (lazy: rank 1 may
+    still be dialling rank 0 when it leaves) finds rank 0 gone and blames it all the same."""
     from netdist.errors import PeerLostError
 
-    with jobs_of(2) as jobs:
+    with jobs_of(2, connect=connect) as jobs:
         waiting = jobs[1].group.all_reduce(np.ones(2), async_op=True)
         jobs[0].close(RuntimeError("boom in step 3"))
         with pytest.raises(PeerLostError) as caught:
             waiting.wait(JOIN_SECONDS)
-    assert caught.value.origin_rank == 0
-    assert "boom in step 3" in str(caught.value)
+    assert caught.value.origin_rank == 0 and caught.value.rank == 0
+    if connect == "eager":
+        assert "boom in step 3" in str(caught.value)
     assert progress_threads() == []
 
 

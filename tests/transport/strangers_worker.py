@@ -31,8 +31,10 @@ async def _job(limits: Any, ckpt_dir: str) -> dict[str, Any]:
     from netdist.collectives import Group
     from netdist.transport.local import create_local_tcp_group
 
+    # eager: the flood hits connections that are already established (a connection
+    # made on first use meets the admission bounds like any other newcomer)
     transports = await create_local_tcp_group(2, admission=limits, timeout=30.0,
-                                              connect_timeout=30.0)
+                                              connect_timeout=30.0, connect="eager")
     groups = [Group(t) for t in transports]
     try:
         print(json.dumps({"pid": os.getpid(), "job_id": transports[0].config.job_id,
