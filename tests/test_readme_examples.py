@@ -1,6 +1,8 @@
-"""Every ``python`` code block in README.md runs, for real, and prints what the README says.
+"""Every ``python`` code block of the documentation runs, for real, and prints what the page
+says. The documentation is README.md and every page of the MkDocs site in ``docs/``
+(``docs/*.md``, in name order, after the README).
 
-Convention (stated in the README's "Examples in this README" note):
+Convention (stated on ``docs/getting-started.md``, "Examples run as tests"):
 
 - every fenced ``python`` block starts with ``# example: NAME.py``; blocks that are not
   meant to run are fenced as ``text``;
@@ -13,11 +15,14 @@ Convention (stated in the README's "Examples in this README" note):
   each followed by exactly what the command prints; it runs in the directory the examples
   above it ran in.
 
+Example file names are unique across all pages, so every example can be copied into one
+folder.
+
 Each example runs in its own temporary directory with ``netdist`` and ``python`` in the
 command replaced by this interpreter, with a bounded timeout. Multi-process examples are
-marked ``slow``. Then the whole README runs twice, in order, in one directory, as a user
-who copies every example into one folder would: examples and ``console`` commands, every
-output checked both times. An example may create only a directory named after itself
+marked ``slow``. Then the whole documentation (the README, then the pages) runs twice, in
+order, in one directory, as a user who copies every example into one folder would:
+examples and ``console`` commands, every output checked both times. An example may create only a directory named after itself
 (``ckpt_job.py`` writes ``ckpt_job/``), so examples cannot step on each other's files and
 each one runs again on what its first run left behind (issue 12, item 17).
 """
@@ -36,7 +41,15 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 README = REPO_ROOT / "README.md"
+DOCS = REPO_ROOT / "docs"
 TIMEOUT = 90.0
+# the README's 18 examples (each with its expected output) before it was split into docs/
+# pages (issue 17, item 7): moving text must never drop one
+EXAMPLES_BEFORE_SPLIT = frozenset({
+    "allreduce.py", "blocking.py", "ddp_netdist.py", "ddp_hooks.py", "sync_train.py",
+    "ps_torch_train.py", "collectives.py", "timeouts.py", "dp_train.py", "dp_overlap.py",
+    "topk.py", "ps_worker.py", "ckpt_job.py", "ckpt_torch.py", "reshard_demo.py",
+    "fsdp_train.py", "pipe.py", "stages.py"})
 
 _FENCE = re.compile(r"^```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 _NAME = re.compile(r"^# example: ([A-Za-z_][A-Za-z0-9_]*\.py)$")
@@ -49,6 +62,7 @@ class Example:
     command: tuple[str, ...]
     expected: str | None
     line: int
+    source: str = "README.md"
 
     @property
     def launched(self) -> bool:
@@ -62,43 +76,51 @@ class ConsoleCommand:
     command: tuple[str, ...]
     expected: str
     line: int
+    source: str = "README.md"
 
 
-def _console_commands(body: str, line_no: int) -> list[ConsoleCommand]:
+def doc_pages() -> list[Path]:
+    """README.md, then every page of the docs site in name order."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def _console_commands(body: str, line_no: int, source: str) -> list[ConsoleCommand]:
     commands: list[ConsoleCommand] = []
     for offset, line in enumerate(body.splitlines(), start=line_no + 1):
         if line.startswith("$ "):
             command = tuple(shlex.split(line[2:]))
             if not command or command[0] not in ("netdist", "python"):
-                raise AssertionError(f"README.md line {offset}: a console command must start "
+                raise AssertionError(f"{source} line {offset}: a console command must start "
                                      f"with netdist or python, got {line!r}")
-            commands.append(ConsoleCommand(command, "", offset))
+            commands.append(ConsoleCommand(command, "", offset, source))
         elif not commands:
-            raise AssertionError(f"README.md line {offset}: a console block must start "
+            raise AssertionError(f"{source} line {offset}: a console block must start "
                                  f"with '$ COMMAND', got {line!r}")
         else:
             last = commands[-1]
-            commands[-1] = ConsoleCommand(last.command, last.expected + line + "\n", last.line)
+            commands[-1] = ConsoleCommand(last.command, last.expected + line + "\n", last.line,
+                                          source)
     return commands
 
 
-def _readme_items() -> list[Example | ConsoleCommand]:
-    """The README's examples and console commands, in the order they appear."""
-    text = README.read_text(encoding="utf-8")
+def _page_items(path: Path) -> list[Example | ConsoleCommand]:
+    """One page's examples and console commands, in the order they appear."""
+    source = path.relative_to(REPO_ROOT).as_posix()
+    text = path.read_text(encoding="utf-8")
     blocks = list(_FENCE.finditer(text))
     items: list[Example | ConsoleCommand] = []
     for index, block in enumerate(blocks):
         body = block.group(2)
         line_no = text.count("\n", 0, block.start()) + 1
         if block.group(1) == "console":
-            items += _console_commands(body, line_no)
+            items += _console_commands(body, line_no, source)
             continue
         if block.group(1) != "python":
             continue
         lines = body.splitlines()
         match = _NAME.match(lines[0]) if lines else None
         if match is None:
-            raise AssertionError(f"README.md line {line_no}: a python block must start with "
+            raise AssertionError(f"{source} line {line_no}: a python block must start with "
                                  f"'# example: NAME.py' (fence it as text if it is not code "
                                  f"to run)")
         name = match.group(1)
@@ -106,24 +128,33 @@ def _readme_items() -> list[Example | ConsoleCommand]:
         if len(lines) > 1 and lines[1].startswith("# run: "):
             command = tuple(shlex.split(lines[1][len("# run: "):]))
             if command[0] not in ("netdist", "python") or name not in command:
-                raise AssertionError(f"README.md line {line_no}: '# run:' must start with "
+                raise AssertionError(f"{source} line {line_no}: '# run:' must start with "
                                      f"netdist or python and run {name}, got {lines[1]!r}")
         expected = None
         following = blocks[index + 1] if index + 1 < len(blocks) else None
         if (following is not None and following.group(1) == "text"
                 and not text[block.end():following.start()].strip()):
             expected = following.group(2)
-        items.append(Example(name, body, command, expected, line_no))
-    names = [i.name for i in items if isinstance(i, Example)]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise AssertionError(f"README examples share file names: {duplicates}")
+        items.append(Example(name, body, command, expected, line_no, source))
     return items
 
 
-README_ITEMS = _readme_items()
-EXAMPLES = [item for item in README_ITEMS if isinstance(item, Example)]
-CONSOLE = [item for item in README_ITEMS if isinstance(item, ConsoleCommand)]
+def _doc_items() -> list[Example | ConsoleCommand]:
+    """Every page's examples and console commands: the README's, then each page's."""
+    items = [item for page in doc_pages() for item in _page_items(page)]
+    examples = [i for i in items if isinstance(i, Example)]
+    names = [e.name for e in examples]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        where = {n: [f"{e.source} line {e.line}" for e in examples if e.name == n]
+                 for n in duplicates}
+        raise AssertionError(f"examples share file names: {where}")
+    return items
+
+
+DOC_ITEMS = _doc_items()
+EXAMPLES = [item for item in DOC_ITEMS if isinstance(item, Example)]
+CONSOLE = [item for item in DOC_ITEMS if isinstance(item, ConsoleCommand)]
 
 
 def _argv(command: tuple[str, ...]) -> list[str]:
@@ -153,11 +184,15 @@ def _env() -> dict[str, str]:
 def test_readme_has_examples() -> None:
     names = {e.name for e in EXAMPLES}
     assert len(EXAMPLES) >= 8
+    assert EXAMPLES_BEFORE_SPLIT <= names, sorted(EXAMPLES_BEFORE_SPLIT - names)
+    assert len(EXAMPLES) >= len(EXAMPLES_BEFORE_SPLIT)
+    # the README keeps its quickstart; the other examples live on the docs pages
+    assert "allreduce.py" in {e.name for e in EXAMPLES if e.source == "README.md"}
     assert {"allreduce.py", "collectives.py", "dp_train.py", "ckpt_job.py", "fsdp_train.py",
             "pipe.py", "reshard_demo.py"} <= names
     assert all(e.expected is not None for e in EXAMPLES), \
         [e.name for e in EXAMPLES if e.expected is None]
-    # the inspect output the README shows is checked against the real command
+    # the inspect output docs/checkpointing.md shows is checked against the real command
     assert ("netdist", "ckpt", "inspect", "ckpt_job") in {c.command for c in CONSOLE}
 
 
@@ -168,8 +203,8 @@ def _run(command: tuple[str, ...], cwd: Path) -> subprocess.CompletedProcess[str
 
 def _check_output(item: Example | ConsoleCommand, result: subprocess.CompletedProcess[str],
                   when: str = "") -> None:
-    """The run exited 0 and printed what the README shows (sorted lines for a launch)."""
-    where = f"README.md line {item.line}: {' '.join(item.command)}{when}"
+    """The run exited 0 and printed what its page shows (sorted lines for a launch)."""
+    where = f"{item.source} line {item.line}: {' '.join(item.command)}{when}"
     assert result.returncode == 0, (
         f"{where} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
     if item.expected is None:
@@ -193,19 +228,20 @@ def test_readme_example_runs(example: Example, tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_readme_runs_twice_in_order_in_one_directory(tmp_path: Path) -> None:
-    """A user copies every example into one folder and runs the README top to bottom,
-    then once more: every example and console command prints what the README shows both
-    times, and each example creates nothing but the directory named after it."""
+    """A user copies every example into one folder and runs the README and then every docs
+    page top to bottom, then once more: every example and console command prints what its
+    page shows both times, and each example creates nothing but the directory named after
+    it."""
     for example in EXAMPLES:
         (tmp_path / example.name).write_text(example.code, encoding="utf-8")
     for run in ("first", "second"):
-        when = f" (README run in order, {run} time)"
-        for item in README_ITEMS:
+        when = f" (docs run in order, {run} time)"
+        for item in DOC_ITEMS:
             before = set(os.listdir(tmp_path))
             result = _run(item.command, tmp_path)
             _check_output(item, result, when)
             created = set(os.listdir(tmp_path)) - before
             allowed = {Path(item.name).stem} if isinstance(item, Example) else set()
             assert created <= allowed, (
-                f"README.md line {item.line}: {' '.join(item.command)} created {sorted(created)}"
+                f"{item.source} line {item.line}: {' '.join(item.command)} created {sorted(created)}"
                 f"{when}; an example may create only the directory named after it")
