@@ -7,8 +7,7 @@ Every public name is importable from here (``netdist.Group``, ``netdist.save_dis
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
@@ -87,23 +86,8 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS) + ["errors", "__version__"]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "errors":
-        return importlib.import_module("netdist.errors")
-    module_name = _EXPORTS.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'netdist' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
 if TYPE_CHECKING:  # static analysers see the eager imports
+    from netdist import errors
     from netdist.checkpoint import (AsyncCheckpointer, CheckpointFuture, ShardMetadata,
                                     TensorShardSpec, flat_shard_metadata, load_distributed,
                                     reshard, save_distributed)
@@ -125,3 +109,7 @@ if TYPE_CHECKING:  # static analysers see the eager imports
                                distributed_train_step, mse_loss, softmax_cross_entropy)
     from netdist.transport import (InProcessTransport, TcpTransport, Transport,
                                    create_local_tcp_group, init)
+else:
+    from netdist._lazy import attach as _attach
+
+    __getattr__, __dir__ = _attach(__name__, _EXPORTS, submodules=["errors"])

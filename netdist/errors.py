@@ -25,7 +25,11 @@ the transport boundary and never escape to callers.
     ├── CollectiveError                     collective misuse or a remote rank's failure
     │   ├── CollectiveMismatchError (ValueError)  ranks passed incompatible sizes/dtypes
     │   └── NotInGroupError                 calling into a group this rank is not part of
+    ├── BlockingCallError (RuntimeError)    a blocking call made on the event loop that
+    │                                       must complete it (it would deadlock)
     ├── ParameterServerError                a server or worker failed or misbehaved
+    ├── FSDPError (RuntimeError)            FSDP used out of order: closed, no optimizer,
+    │                                       no forward context, a gather in flight
     ├── PipelineError                       invalid pipeline configuration or schedule
     └── CheckpointError
         ├── CheckpointNotFoundError         no complete checkpoint / missing shard file
@@ -56,7 +60,9 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
     "NotInGroupError",
+    "BlockingCallError",
     "ParameterServerError",
+    "FSDPError",
     "PipelineError",
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -178,8 +184,20 @@ class NotInGroupError(CollectiveError):
     """This rank called into a group it is not a member of."""
 
 
+class BlockingCallError(NetdistError, RuntimeError):
+    """A blocking call was made from the event loop that has to run what it waits for:
+    ``ProgressThread.run()`` or ``close()`` on the progress thread's own loop. It would
+    deadlock, so it is refused; await the coroutine on that loop instead."""
+
+
 class ParameterServerError(NetdistError):
     """A parameter server or one of its workers failed or broke the protocol."""
+
+
+class FSDPError(NetdistError, RuntimeError):
+    """FSDP was used out of order: after ``aclose``, ``step`` without an optimizer,
+    ``backward`` without a forward context, shards changed while an all-gather is in
+    flight (or FSDP's own state is inconsistent, which is a bug)."""
 
 
 class PipelineError(NetdistError):

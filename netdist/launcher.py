@@ -407,6 +407,7 @@ class _Child:
         self.rank = rank
         self.proc = proc
         self.exit_time = 0.0  # time.monotonic() when reaped; set before exit_seq
+        self.returncode = 0  # the exit code once reaped (read only when exited); ditto
         self.exit_seq: int | None = None  # set by the waiter thread after reaping
         self.stderr_tail: deque[str] = deque(maxlen=_TAIL_LINES)
         self.stopped = False  # stopped (state T) when the job's failure was detected
@@ -414,13 +415,6 @@ class _Child:
     @property
     def exited(self) -> bool:
         return self.exit_seq is not None
-
-    @property
-    def returncode(self) -> int:
-        code = self.proc.returncode
-        if code is None:  # pragma: no cover - exit_seq is only set after wait()
-            raise RuntimeError(f"rank {self.rank} has not exited")
-        return code
 
 
 class _Attempt:
@@ -475,7 +469,7 @@ class _Attempt:
         return child
 
     def _wait_for(self, child: _Child) -> None:
-        child.proc.wait()
+        child.returncode = child.proc.wait()
         child.exit_time = time.monotonic()
         child.exit_seq = next(self.exit_counter)
         self.wakeup.notify()

@@ -1,10 +1,11 @@
 """PURE in-place SGD and Adam update kernels on plain NumPy arrays (torch semantics).
 
-One copy of the update arithmetic shared by every optimizer in netdist: the local
+One copy of the update arithmetic shared by every optimizer in netdist, through
+``netdist.optim`` (the configs, the per-array step and the shard optimizer that the local
 optimizers of ``netdist.train.optim``, the sharded FSDP optimizers of
-``netdist.parallel.sharded_optim`` and the parameter server's shard optimizer in
-``netdist.ps.state``. Keeping the operation order in one place is what makes those three
-produce bitwise-identical trajectories, which their equivalence tests rely on.
+``netdist.parallel.sharded_optim`` and the parameter servers use). Keeping the operation
+order in one place is what makes those three produce bitwise-identical trajectories,
+which their equivalence tests rely on.
 
 The formulas follow ``torch.optim.SGD`` and ``torch.optim.Adam`` (non-foreach reference
 path) step for step. This module sits at the bottom layer: it imports only NumPy.
@@ -17,7 +18,7 @@ import math
 import numpy as np
 
 __all__ = ["sgd_update", "adam_update", "check_lr", "check_sgd_hyperparameters",
-           "check_adam_hyperparameters", "AdamHyperparameters"]
+           "check_adam_hyperparameters"]
 
 
 def check_lr(lr: float) -> None:
@@ -47,31 +48,6 @@ def check_adam_hyperparameters(*, beta1: float, beta2: float, eps: float,
         raise ValueError(f"eps must be >= 0, got {eps}")
     if not weight_decay >= 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-
-
-class AdamHyperparameters:
-    """Checked Adam hyper-parameters (lr aside) held as attributes, for the optimizers
-    that share ``adam_update`` (local ``Adam`` and ``ShardedAdam``)."""
-
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    amsgrad: bool
-
-    def _set_adam_hyperparameters(self, betas: tuple[float, float], eps: float,
-                                  weight_decay: float, amsgrad: bool) -> None:
-        beta1, beta2 = betas
-        check_adam_hyperparameters(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-        self.beta1 = float(beta1)
-        self.beta2 = float(beta2)
-        self.eps = float(eps)
-        self.weight_decay = float(weight_decay)
-        self.amsgrad = bool(amsgrad)
-
-    @property
-    def betas(self) -> tuple[float, float]:
-        return (self.beta1, self.beta2)
 
 
 def sgd_update(param: np.ndarray, grad: np.ndarray, momentum_buffer: np.ndarray | None, *,

@@ -10,6 +10,7 @@ import pytest
 from netdist import errors
 from netdist.errors import (
     AuthenticationError,
+    BlockingCallError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
@@ -18,6 +19,7 @@ from netdist.errors import (
     CollectiveError,
     ConfigError,
     ConnectError,
+    FSDPError,
     LocalProtocolError,
     NetdistError,
     NetdistTimeoutError,
@@ -55,7 +57,9 @@ TREE = {
     CollectiveError: (NetdistError,),
     CollectiveMismatchError: (CollectiveError, ValueError),
     NotInGroupError: (CollectiveError,),
+    BlockingCallError: (NetdistError, RuntimeError),
     ParameterServerError: (NetdistError,),
+    FSDPError: (NetdistError, RuntimeError),
     PipelineError: (NetdistError,),
     CheckpointError: (NetdistError,),
     CheckpointNotFoundError: (CheckpointError, FileNotFoundError),

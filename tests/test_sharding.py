@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from netdist.sharding import chunk_bounds, chunk_sizes, gather_shards, padded_size, shard_tensor
+from netdist.sharding import (
+    FlatSlot,
+    Placement,
+    TensorShardSpec,
+    chunk_bounds,
+    chunk_sizes,
+    flat_slots,
+    gather_shards,
+    padded_size,
+    shard_tensor,
+)
 
 # --------------------------------------------------------------------------- chunks
 
@@ -170,3 +182,83 @@ def test_empty_array_is_its_own_single_shard() -> None:
     (only,) = shard_tensor(empty, 1)
     assert only.shape == (0, 3)
     assert gather_shards([only]).shape == (0, 3)
+
+
+# --------------------------------------------------------------------------- TensorShardSpec
+
+
+def test_tensor_shard_spec_even_and_replicated_geometry() -> None:
+    spec = TensorShardSpec.even((10, 4), 3, 0, np.float32)
+    assert spec.shard_sizes == (4, 3, 3) and spec.dtype == "float32"
+    assert spec.placement is Placement.SHARDED and spec.num_shards == 3
+    assert spec.shard_bounds(1) == (4, 7)
+    assert spec.box(2) == ((7, 10), (0, 4)) and spec.local_shape(2) == (3, 4)
+    rep = TensorShardSpec.replicated((5,), "bfloat16")
+    assert rep.is_replicated and rep.num_shards is None and rep.dtype == "bfloat16"
+    assert rep.box(0) == ((0, 5),) and rep.placement is Placement.REPLICATED
+    with pytest.raises(ValueError, match="no shard bounds"):
+        rep.shard_bounds(0)
+
+
+def test_tensor_shard_spec_json_round_trip() -> None:
+    for spec in (TensorShardSpec((6, 2), 1, (1, 1), "int64"),
+                 TensorShardSpec.replicated((3, 3), "float64"),
+                 TensorShardSpec((7,), 0, (4, 3))):
+        assert TensorShardSpec.from_json(spec.to_json()) == spec
+    assert TensorShardSpec((4,), 0, (2, 2), "float32").to_json() == {
+        "dtype": "float32", "shape": [4], "placement": "sharded", "shard_dim": 0,
+        "shard_sizes": [2, 2]}
+    with pytest.raises(TypeError, match="shard_dim must be an integer"):
+        TensorShardSpec.from_json({"placement": "sharded", "shape": [4], "shard_dim": "0",
+                                   "shard_sizes": [4]})
+
+
+@pytest.mark.parametrize(("args", "error", "message"), [
+    (((4,), 0, (2, 1)), ValueError, "sum to 3"),
+    (((4,), 1, (4,)), ValueError, "out of range"),
+    (((4,), 0, ()), ValueError, "needs shard_sizes"),
+    (((4,), None, (4,)), ValueError, "takes no shard_sizes"),
+    (((4,), True, (4,)), TypeError, "shard_dim must be an int"),
+    (((-1,), None, ()), ValueError, "ints >= 0"),
+    (((2**62, 4), None, ()), ValueError, "past the int64 range"),
+    (((1,) * 65, None, ()), ValueError, "more than 64"),
+])
+def test_tensor_shard_spec_refuses_bad_placements(args: tuple[Any, ...], error: type,
+                                                  message: str) -> None:
+    with pytest.raises(error, match=message):
+        TensorShardSpec(*args)
+
+
+def test_tensor_shard_spec_dtype_names() -> None:
+    assert TensorShardSpec((2,), None, (), np.dtype(">f4")).dtype == "float32"
+    with pytest.raises(TypeError, match="cannot be described by a shard spec"):
+        TensorShardSpec((2,), None, (), np.complex128)
+
+
+# --------------------------------------------------------------------------- flat layout
+
+
+def test_flat_slots_lay_tensors_back_to_back() -> None:
+    slots = flat_slots(["w", "b", "s"], [(2, 3), (4,), ()], start=5)
+    assert [(s.name, s.shape, s.offset, s.numel, s.stop) for s in slots] == [
+        ("w", (2, 3), 5, 6, 11), ("b", (4,), 11, 4, 15), ("s", (), 15, 1, 16)]
+    flat = np.arange(16.0)
+    view = slots[0].view(flat)
+    assert view.shape == (2, 3) and np.shares_memory(view, flat)
+    assert view.tolist() == [[5.0, 6.0, 7.0], [8.0, 9.0, 10.0]]
+    with pytest.raises(ValueError, match="2 names for 1 shapes"):
+        flat_slots(["a", "b"], [(1,)])
+    with pytest.raises(ValueError, match="ints >= 0"):
+        flat_slots(["a"], [(2, -1)])
+
+
+def test_flat_slot_overlap_with_shards() -> None:
+    slot = FlatSlot("w", (6,), 3, 6)        # flat[3:9]
+    assert slot.overlap(0, 4) == (0, 1)     # first element only
+    assert slot.overlap(4, 8) == (1, 5)
+    assert slot.overlap(8, 12) == (5, 6)
+    assert slot.overlap(0, 3) == (0, 0) and slot.overlap(9, 12) == (6, 6)  # misses: empty
+    # the per-shard sizes of a slot sum to its numel (a flattened TensorShardSpec)
+    sizes = tuple(hi - lo for lo, hi in (slot.overlap(a, b) for a, b in chunk_bounds(12, 4)))
+    assert sizes == (0, 3, 3, 0)
+    assert TensorShardSpec((slot.numel,), 0, sizes).local_shape(1) == (3,)

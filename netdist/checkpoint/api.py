@@ -23,11 +23,9 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import EllipsisType
 from typing import Any
 
 import numpy as np
@@ -35,17 +33,13 @@ import numpy as np
 from netdist.checkpoint.commit import (
     commit_step,
     create_staging,
-    find_step,
     metadata_generation,
     os_errors,
-    scan_root,
     step_generation,
 )
 from netdist.checkpoint.dtypes import (CHECKPOINT_DTYPES, dtype_name, is_raw_bfloat16,
                                        unrepresentable)
 from netdist.checkpoint.metadata import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
     MAX_METADATA_BYTES,
     METADATA_FILE,
     FileRecord,
@@ -53,12 +47,19 @@ from netdist.checkpoint.metadata import (
     StateLayout,
     TensorShardSpec,
     parse_json,
-    parse_step_dir_name,
     rank_file_name,
     step_dir_name,
 )
-from netdist.checkpoint.planner import (Box, ReadItem, box_shape, plan_reads, plan_writes,
-                                        read_ranks)
+from netdist.checkpoint.options import RankObjects
+from netdist.checkpoint.planner import box_shape, plan_reads, plan_writes, read_ranks
+from netdist.checkpoint.reading import (
+    CheckpointReader,
+    box_index,
+    list_checkpoints,
+    load_metadata,
+    read_plan_into,
+    resolve_checkpoint,
+)
 from netdist.checkpoint.restore import (
     check_destination,
     check_rank_objects,
@@ -74,19 +75,20 @@ from netdist.checkpoint.state import (
     state_summary,
 )
 from netdist.checkpoint.storage import (
-    ShardFile,
-    TensorSource,
     check_file_sizes,
     read_checkpoint_file,
-    read_metadata,
     write_bytes_atomic,
-    write_safetensors,
+)
+from netdist.checkpoint.writing import (
+    SaveResult,
+    check_keep_last,
+    check_rank,
+    write_rank_file,
 )
 from netdist.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
-    CheckpointNotFoundError,
 )
 
 __all__ = [
@@ -105,42 +107,8 @@ __all__ = [
     "CheckpointReader",
 ]
 
-_PARALLEL_READ_BYTES = 32 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class SaveResult:
-    """What one rank's save did: the checkpoint directory, its file and byte count.
-
-    ``committed`` is true on the rank that wrote ``metadata.json`` (rank 0 in a
-    collective save, the last rank to finish in the per-rank API).
-    """
-
-    path: Path
-    rank: int
-    file: Path
-    nbytes: int
-    committed: bool
-    step: int | None
-    seconds: float
-
 
 # --------------------------------------------------------------------------- validation
-
-
-def _check_rank(rank: int, world_size: int) -> None:
-    for name, value in (("rank", rank), ("world_size", world_size)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {value!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is out of range for world size {world_size}")
-
-
-def _box_index(box: Box) -> tuple[slice | EllipsisType, ...]:
-    """The index selecting ``box`` from an array; the trailing ``...`` keeps a 0-d box a view."""
-    return (*(slice(lo, hi) for lo, hi in box), ...)
 
 
 def _as_array(value: Any, name: str) -> np.ndarray:
@@ -190,92 +158,7 @@ def _specs_for(state_dict: Mapping[str, Any],
     return specs, arrays
 
 
-# --------------------------------------------------------------------------- layout
-
-
-def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``root`` as ``(step, directory)``, by step.
-
-    A step whose ``step_N`` was renamed aside by a save that crashed before renaming the
-    new one in is listed with its aside directory (``.step_N.old-<tag>``), which loads
-    like any other; the next save renames it back.
-    """
-    return scan_root(root).complete()
-
-
-def _recoverable_aside(path: Path) -> Path | None:
-    """The aside holding ``path``'s checkpoint when ``path`` is a ``step_N`` being replaced."""
-    step = parse_step_dir_name(path.name)
-    return scan_root(path.parent).recoverable.get(step) if step is not None else None
-
-
-def resolve_checkpoint(path: str | os.PathLike[str], step: int | None = None) -> Path:
-    """The checkpoint directory that ``path`` designates.
-
-    ``path`` is either a checkpoint directory (holds ``metadata.json``) or a root with
-    ``step_N`` directories: then ``step`` picks one, else the newest complete step.
-    ``latest`` is not consulted: it may lag one step behind after a crash, and a
-    resumed job must continue from the newest step. Directories without
-    ``metadata.json`` are never chosen.
-    """
-    path = Path(path)
-    if step is not None:
-        step_dir_name(step)  # validates
-        found = find_step(path, step)
-        if found is None:
-            raise CheckpointNotFoundError(f"no complete checkpoint for step {step} in {path}")
-        return found
-    if (path / METADATA_FILE).is_file():
-        return path
-    complete = list_checkpoints(path)
-    if complete:
-        return complete[-1][1]
-    aside = _recoverable_aside(path)
-    if aside is not None:
-        return aside
-    if not path.exists():
-        raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist")
-    raise CheckpointNotFoundError(f"no complete checkpoint in {path}: no {METADATA_FILE} "
-                                  f"and no complete step_* directory")
-
-
-def load_metadata(path: str | os.PathLike[str], step: int | None = None) -> ShardMetadata:
-    """Read the metadata of the checkpoint ``path`` designates (see ``resolve_checkpoint``)."""
-    directory = resolve_checkpoint(path, step)
-    return read_metadata(directory)  # safe open, bounded parse, errors name the file
-
-
-def check_keep_last(keep_last: int | None) -> None:
-    """Raise ``ValueError`` unless ``keep_last`` is None or an int >= 1 (checked up front,
-    not after every byte is written)."""
-    if keep_last is None:
-        return
-    if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
-        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
-
-
 # --------------------------------------------------------------------------- writing
-
-
-def _file_metadata(rank: int, world_size: int) -> dict[str, str]:
-    return {"format": FORMAT_NAME, "version": str(FORMAT_VERSION), "rank": str(rank),
-            "num_ranks": str(world_size)}
-
-
-def write_rank_file(directory: Path, rank: int, world_size: int,
-                    specs: Mapping[str, TensorShardSpec], writers: Mapping[str, int],
-                    arrays: Mapping[str, np.ndarray]) -> FileRecord:
-    """Write ``rank``'s file (its shards and the replicated tensors it was assigned)."""
-    plan = plan_writes(specs, world_size, writers)
-    sources = []
-    for item in plan.for_rank(rank):
-        array = arrays[item.name]
-        dtype = specs[item.name].dtype or dtype_name(array.dtype)
-        sources.append(TensorSource(item.name, dtype, tuple(array.shape), data=array))
-    name = rank_file_name(rank)
-    size, checksum = write_safetensors(directory / name, sources,
-                                       metadata=_file_metadata(rank, world_size))
-    return FileRecord(rank, name, size, checksum)
 
 
 def _manifest_name(rank: int) -> str:
@@ -384,7 +267,7 @@ def prepare_share(state_dict: Any,
                   rank: int, world_size: int) -> PreparedShare:
     """Validate and flatten what :func:`save_distributed` writes (see there for what
     ``state_dict`` may hold); raises for invalid input before anything is written."""
-    _check_rank(rank, world_size)
+    check_rank(rank, world_size)
     summary: dict[str, Any] | None = None
     flat: Mapping[str, Any] = state_dict
     if _is_structured(state_dict):
@@ -428,7 +311,7 @@ def save_distributed(state_dict: Any, dir: str | os.PathLike[str], rank: int,
     too many open files) raises ``CheckpointError`` naming the rank and the file.
     """
     started = time.perf_counter()
-    _check_rank(rank, world_size)
+    check_rank(rank, world_size)
     check_keep_last(keep_last)
     share = prepare_share(state_dict, shard_spec, rank, world_size)
     return write_share(share, dir, rank, world_size, shard_spec, step=step,
@@ -484,92 +367,11 @@ def write_share(share: PreparedShare, dir: str | os.PathLike[str], rank: int,
 # --------------------------------------------------------------------------- reading
 
 
-class CheckpointReader:
-    """Reads regions of one checkpoint's tensors; shard files are opened on first use.
-
-    Every read goes through :class:`ShardFile`, so with ``verify=True`` each block read is
-    checked against the metadata's CRC. Close it (or use ``with``) to release the files.
-    """
-
-    def __init__(self, directory: Path, metadata: ShardMetadata, *, verify: bool = True) -> None:
-        self.directory = directory
-        self.metadata = metadata
-        self.verify = verify
-        self._files: dict[int, ShardFile] = {}
-
-    def __enter__(self) -> CheckpointReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        files, self._files = self._files, {}
-        for shard_file in files.values():
-            shard_file.close()
-
-    def file(self, rank: int) -> ShardFile:
-        shard_file = self._files.get(rank)
-        if shard_file is None:
-            record = self.metadata.file_for(rank)
-            if record is None:
-                raise CheckpointCorruptError(f"{self.directory}: metadata has no file record "
-                                             f"for rank {rank}")
-            shard_file = ShardFile(self.directory / record.name, record, verify=self.verify)
-            self._files[rank] = shard_file
-        return shard_file
-
-    def read(self, plan: Mapping[str, tuple[ReadItem, ...]], dests: Mapping[str, np.ndarray], *,
-             threads: int | None = None, progress: Callable[[int], None] | None = None) -> None:
-        """Execute a read plan: copy each planned piece into ``dests[name]``."""
-        tasks = []
-        for name, items in plan.items():
-            spec = self.metadata.tensor_specs[name]
-            for item in items:
-                shard_file = self.file(item.src_rank)
-                entry = shard_file.entry(name)
-                if entry.shape != item.src_shape or (spec.dtype and entry.dtype != spec.dtype):
-                    raise CheckpointCorruptError(
-                        f"{shard_file.path}: {name!r} is stored as {entry.dtype} "
-                        f"{entry.shape}, metadata says {spec.dtype} {item.src_shape}")
-                dest = dests[name][_box_index(item.dst_box)]
-                tasks.append((item, dest))
-        total = sum(d.nbytes for _, d in tasks)
-        done = 0
-
-        def run(task: tuple[ReadItem, np.ndarray]) -> int:
-            item, dest = task
-            self._files[item.src_rank].read_box(item.name, item.src_box, dest)
-            return dest.nbytes
-
-        workers = threads if threads is not None else min(4, os.cpu_count() or 1)
-        if workers <= 1 or total < _PARALLEL_READ_BYTES or len(tasks) < 2:
-            for task in tasks:
-                done += run(task)
-                if progress is not None:
-                    progress(done)
-            return
-        tasks.sort(key=lambda t: -t[1].nbytes)  # largest first balances the pool
-        with ThreadPoolExecutor(workers, thread_name_prefix="netdist-ckpt-read") as pool:
-            for nbytes in pool.map(run, tasks):
-                done += nbytes
-                if progress is not None:
-                    progress(done)
-
-
-def read_plan_into(directory: Path, metadata: ShardMetadata,
-                   plan: Mapping[str, tuple[ReadItem, ...]], dests: Mapping[str, np.ndarray], *,
-                   verify: bool = True, threads: int | None = None,
-                   progress: Callable[[int], None] | None = None) -> None:
-    """Execute a read plan against the checkpoint in ``directory``."""
-    with CheckpointReader(directory, metadata, verify=verify) as reader:
-        reader.read(plan, dests, threads=threads, progress=progress)
-
-
 def load_distributed(dir: str | os.PathLike[str], rank: int, world_size: int, *,
                      step: int | None = None, verify: bool = True,
                      out: Mapping[str, Any] | None = None, like: Any = None,
-                     strict: bool = True, rank_objects: str = "error",
+                     strict: bool = True,
+                     rank_objects: RankObjects | str = RankObjects.ERROR,
                      threads: int | None = None) -> Any:
     """Load ``rank``'s share of a checkpoint for a job of ``world_size`` ranks.
 
@@ -587,11 +389,11 @@ def load_distributed(dir: str | os.PathLike[str], rank: int, world_size: int, *,
     the collective ``load`` (:mod:`netdist.checkpoint.restore`): torch tensors and arrays
     filled in place, stateful objects (a module, an optimizer, ``RNGState``) given the
     saved state through ``load_state_dict()`` with lazily created optimizer state created,
-    ``strict`` and ``rank_objects`` as there; a ``ShardedArray`` in ``like`` must hold this
-    rank's part of the even re-split.
+    ``strict`` and ``rank_objects`` (:class:`RankObjects`) as there; a ``ShardedArray``
+    in ``like`` must hold this rank's part of the even re-split.
     """
-    _check_rank(rank, world_size)
-    check_rank_objects(rank_objects)
+    check_rank(rank, world_size)
+    policy = check_rank_objects(rank_objects, "load_distributed")
     if like is not None and out is not None:
         raise ValueError("pass either out= (flat arrays) or like= (a nested state), not both")
     directory = resolve_checkpoint(dir, step)
@@ -599,7 +401,7 @@ def load_distributed(dir: str | os.PathLike[str], rank: int, world_size: int, *,
     if like is not None:
         check_file_sizes(directory, metadata, [record.rank for record in metadata.files])
         restore = plan_restore(metadata, like, rank, world_size, strict=strict,
-                               rank_objects=rank_objects)
+                               rank_objects=policy)
         plan = plan_reads(metadata.tensor_specs, metadata.writers, restore.wanted)
         read_plan_into(directory, metadata, plan, restore.dests, verify=verify,
                        threads=threads)
@@ -646,7 +448,7 @@ def reshard(dir: str | os.PathLike[str], old_world_size: int, new_world_size: in
             out: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Load ``new_rank``'s share for ``new_world_size`` ranks from a checkpoint saved by
     ``old_world_size`` ranks (checked against the metadata)."""
-    _check_rank(new_rank, new_world_size)
+    check_rank(new_rank, new_world_size)
     metadata = load_metadata(dir, step)
     if metadata.num_ranks != old_world_size:
         raise CheckpointMismatchError(f"checkpoint was saved by {metadata.num_ranks} ranks, "
@@ -683,7 +485,7 @@ def shard_state_dict(state_dict: Mapping[str, Any], metadata: ShardMetadata | Ma
         array = _as_array(state_dict[name], name)
         if tuple(array.shape) != spec.full_shape:
             raise ValueError(f"{name!r}: full shape {array.shape}, spec says {spec.full_shape}")
-        out[name] = array[_box_index(spec.box(rank))]
+        out[name] = array[box_index(spec.box(rank))]
     return out
 
 

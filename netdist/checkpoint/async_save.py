@@ -44,16 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from netdist.checkpoint.api import (
-    PreparedShare,
-    SaveResult,
-    _check_rank,
-    check_keep_last,
-    prepare_share,
-    write_share,
-)
+from netdist.checkpoint.api import PreparedShare, prepare_share, write_share
 from netdist.checkpoint.dtypes import CHECKPOINT_DTYPES, dtype_name
 from netdist.checkpoint.metadata import ShardMetadata, TensorShardSpec
+from netdist.checkpoint.writing import SaveResult, check_keep_last, check_rank
 from netdist.errors import CheckpointError, NetdistTimeoutError
 
 __all__ = ["AsyncCheckpointer", "CheckpointFuture"]
@@ -129,7 +123,7 @@ class AsyncCheckpointer:
                  shard_spec: ShardMetadata | Mapping[str, TensorShardSpec] | None = None, *,
                  keep_last: int | None = None, run_id: str | None = None,
                  staging_threads: int = 2) -> None:
-        _check_rank(rank, world_size)
+        check_rank(rank, world_size)
         check_keep_last(keep_last)
         if staging_threads < 1:
             raise ValueError(f"staging_threads must be >= 1, got {staging_threads}")

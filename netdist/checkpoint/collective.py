@@ -31,77 +31,68 @@ Per-rank plain values (policy on a world-size change): values that are equal on 
 rank (step, epoch, param groups, a shared RNG) are stored once and every rank of any
 world size gets them. Values that differ between ranks (a per-rank RNG, a per-rank data
 cursor) are stored per rank; a load with the same world size gives each rank its own;
-with a different world size ``rank_objects`` decides: ``"error"`` (default) refuses and
-names the keys, ``"like"`` keeps the caller's current value from ``like`` (e.g. freshly
-seeded per-rank RNGs), ``"modulo"`` gives new rank ``r`` old rank ``r % old_size``'s value,
-``"rank0"`` gives everyone old rank 0's value.
+with a different world size ``rank_objects`` (:class:`RankObjects`, or its string value)
+decides: ``ERROR`` (``"error"``, default) refuses and names the keys, ``LIKE`` keeps the
+caller's current value from ``like`` (e.g. freshly seeded per-rank RNGs), ``MODULO`` gives
+new rank ``r`` old rank ``r % old_size``'s value, ``RANK0`` gives everyone old rank 0's
+value.
+
+What the ranks exchange is in :mod:`netdist.checkpoint.summary`; what ``group`` must
+offer is :class:`netdist.checkpoint.group_like.GroupLike`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import os
 import secrets
 import shutil
 import time
 import warnings
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from netdist import errors
-from netdist.checkpoint.api import (
-    CheckpointReader,
-    SaveResult,
-    check_keep_last,
-    resolve_checkpoint,
-    write_rank_file,
-)
-from netdist.checkpoint.commit import commit_step, create_staging, os_errors, tidy_root
+from netdist.checkpoint.commit import (commit_step, create_staging, describe_os_error,
+                                       os_errors, tidy_root)
 from netdist.checkpoint.dtypes import dtype_name
+from netdist.checkpoint.group_like import GroupLike
 from netdist.checkpoint.metadata import (
     METADATA_FILE,
     FileRecord,
     ShardMetadata,
-    StateLayout,
-    TensorShardSpec,
     rank_file_name,
     step_dir_name,
 )
+from netdist.checkpoint.options import RankObjects, ReplicaCheck, parse_option
 from netdist.checkpoint.planner import assign_writers, plan_reads
+from netdist.checkpoint.reading import CheckpointReader, resolve_checkpoint
 from netdist.checkpoint.restore import (
     RANK_OBJECT_POLICIES,
     check_rank_objects,
     leaf_array,
     plan_restore,
 )
-from netdist.checkpoint.state import (ShardedArray, flatten_state, merge_summaries,
-                                      state_summary)
+from netdist.checkpoint.state import ShardedArray, flatten_state, state_summary
 from netdist.checkpoint.storage import check_file_sizes, read_metadata_text
-from netdist.errors import CheckpointError, CheckpointMismatchError
+from netdist.checkpoint.summary import (
+    RankFailure,
+    RankSummary,
+    ShardExtent,
+    TensorSummary,
+    describe_diverged,
+    merge_rank_summaries,
+)
+from netdist.checkpoint.writing import SaveResult, check_keep_last, write_rank_file
+from netdist.errors import CheckpointError, ConfigError
 
-__all__ = ["save", "load", "RANK_OBJECT_POLICIES", "ReplicaCheck", "ReplicaDivergenceWarning"]
-
-class ReplicaCheck(str, enum.Enum):
-    """What a collective ``save`` does about replicated tensors (plain arrays and torch
-    tensors, assumed equal on every rank and written once) that differ between ranks,
-    such as BatchNorm running statistics that no collective keeps in sync.
-
-    ``WARN`` (default) and ``ERROR`` compare a CRC-32 of every replicated tensor across
-    ranks (one extra pass over the bytes of each, no extra communication beyond the
-    plan's ``all_gather_object``). ``WARN`` issues a :class:`ReplicaDivergenceWarning`
-    on every rank naming the tensors and the ranks that differ, and saves **rank 0's**
-    copy of each; ``ERROR`` raises ``CheckpointMismatchError`` on every rank and writes
-    nothing. ``OFF`` skips the comparison (the writer rank's copy is saved unchecked).
-    """
-
-    OFF = "off"
-    WARN = "warn"
-    ERROR = "error"
+__all__ = ["save", "load", "GroupLike", "RankObjects", "RANK_OBJECT_POLICIES", "ReplicaCheck",
+           "ReplicaDivergenceWarning"]
 
 
 class ReplicaDivergenceWarning(UserWarning):
@@ -115,27 +106,36 @@ def _replica_check(value: ReplicaCheck | str | bool) -> ReplicaCheck:
     if value is False:
         return ReplicaCheck.OFF
     try:
-        return ReplicaCheck(value)
-    except ValueError:
-        raise ValueError(f"check_replicated must be one of "
-                         f"{[c.value for c in ReplicaCheck]} or a bool, got {value!r}") from None
+        return parse_option(value, ReplicaCheck, "check_replicated", "save")
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; True and False stand for 'error' and 'off'") from None
 
 
 def _describe(exc: BaseException) -> dict[str, str]:
-    return {"error": f"{exc}", "type": type(exc).__name__}
+    return RankFailure.of(exc).to_wire()
 
 
-def _raise_gathered(op: str, statuses: list[Any], rank: int,
+def _raise_gathered(op: str, statuses: Sequence[Any], rank: int,
                     local: BaseException | None) -> None:
-    """Fail together: if any rank reported an error, raise on every rank."""
-    failed = [(r, s) for r, s in enumerate(statuses) if isinstance(s, dict) and "error" in s]
+    """Fail together: if any rank reported an error, raise on every rank.
+
+    The failing rank raises its own exception (an ``OSError`` as the ``CheckpointError``
+    it causes, naming the rank and the file: every phase that touches files runs under
+    ``os_errors``, and this is the backstop); the others raise the failing rank's
+    ``CheckpointError`` subclass, naming every failed rank.
+    """
+    reported = [(r, RankFailure.from_wire(s)) for r, s in enumerate(statuses)]
+    failed = [(r, f) for r, f in reported if f is not None]
     if not failed:
         return
+    if isinstance(local, OSError) and not isinstance(local, errors.NetdistError):
+        raise CheckpointError(f"rank {rank}: {op} failed: {describe_os_error(local)}") \
+            from local
     if local is not None:
         raise local
     names = ", ".join(str(r) for r, _ in failed)
-    detail = "; ".join(f"rank {r}: {s['type']}: {s['error']}" for r, s in failed)
-    cls = getattr(errors, failed[0][1].get("type", ""), None)
+    detail = "; ".join(f"rank {r}: {f.type}: {f.message}" for r, f in failed)
+    cls = getattr(errors, failed[0][1].type, None)
     if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
         cls = CheckpointError
     raise cls(f"{op} failed on rank(s) {names} (seen from rank {rank}): {detail}")
@@ -169,7 +169,9 @@ async def _discard(staging: Path) -> None:
     await asyncio.to_thread(shutil.rmtree, staging, True)
 
 
-def _local_summary(state: Any, check: ReplicaCheck) -> tuple[dict[str, Any], Any]:
+def _local_summary(state: Any, check: ReplicaCheck
+                   ) -> tuple[RankSummary, dict[str, np.ndarray]]:
+    """This rank's :class:`RankSummary` of ``state`` and its tensors as arrays by name."""
     flat = flatten_state(state)
     tensors = {}
     arrays: dict[str, np.ndarray] = {}
@@ -178,69 +180,16 @@ def _local_summary(state: Any, check: ReplicaCheck) -> tuple[dict[str, Any], Any
             array, dim = leaf_array(value.data, name), value.shard_dim
         else:
             array, dim = leaf_array(value, name), None
-        entry: list[Any] = [dtype_name(array.dtype), list(array.shape), dim]
+        crc = None
         if check is not ReplicaCheck.OFF and dim is None:
-            entry.append(zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data))
-        tensors[name] = entry
+            crc = zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+        tensors[name] = TensorSummary(dtype_name(array.dtype), tuple(array.shape), dim, crc)
         arrays[name] = array
-    return {"tensors": tensors, **state_summary(flat)}, arrays
+    return RankSummary(tensors, state_summary(flat)), arrays
 
 
-def _merge(summaries: list[dict[str, Any]], check: ReplicaCheck = ReplicaCheck.OFF
-           ) -> tuple[dict[str, TensorShardSpec], StateLayout, dict[str, list[int]]]:
-    """Every rank's summary -> one set of specs, the state layout and the replicated
-    tensors whose copies differ (name -> the ranks whose copy differs from rank 0's);
-    the same on all ranks. ``ReplicaCheck.ERROR`` raises on a difference instead."""
-    layout = merge_summaries(summaries)
-    first = summaries[0]
-    specs = {}
-    diverged: dict[str, list[int]] = {}
-    for name, (dtype, shape, dim, *_) in first["tensors"].items():
-        entries = [s["tensors"][name] for s in summaries]
-        for rank, (d2, s2, dim2, *_) in enumerate(entries):
-            if d2 != dtype or dim2 != dim:
-                raise CheckpointMismatchError(
-                    f"{name!r}: rank {rank} has dtype {d2} shard_dim {dim2}, rank 0 has "
-                    f"dtype {dtype} shard_dim {dim}")
-        if dim is None:
-            for rank, (_, s2, _, *crc) in enumerate(entries):
-                if s2 != shape:
-                    raise CheckpointMismatchError(f"replicated {name!r}: rank {rank} has "
-                                                  f"shape {s2}, rank 0 has {shape}")
-                if crc and crc != entries[0][3:]:
-                    diverged.setdefault(name, []).append(rank)
-            specs[name] = TensorShardSpec.replicated(shape, dtype)
-            continue
-        for rank, (_, s2, _, *_) in enumerate(entries):
-            if len(s2) != len(shape) or any(a != b for i, (a, b) in enumerate(zip(s2, shape))
-                                             if i != dim):
-                raise CheckpointMismatchError(f"sharded {name!r}: rank {rank} has shape {s2}, "
-                                              f"incompatible with rank 0's {shape} "
-                                              f"(only dim {dim} may differ)")
-        sizes = tuple(e[1][dim] for e in entries)
-        full = list(shape)
-        full[dim] = sum(sizes)
-        specs[name] = TensorShardSpec(tuple(full), dim, sizes, dtype)
-    if diverged and check is ReplicaCheck.ERROR:
-        raise CheckpointMismatchError(
-            f"replicated tensors differ between ranks: {_describe_diverged(diverged)}; "
-            f"nothing was saved (sync them first, e.g. broadcast or all-reduce buffers, "
-            f"shard them with ShardedArray, or pass check_replicated='warn' to save rank "
-            f"0's copy)")
-    return specs, layout, diverged
-
-
-def _describe_diverged(diverged: Mapping[str, list[int]], limit: int = 8) -> str:
-    names = sorted(diverged)
-    parts = [f"{name!r} differs between rank 0 and "
-             f"{'rank' if len(diverged[name]) == 1 else 'ranks'} "
-             f"{', '.join(str(r) for r in diverged[name])}" for name in names[:limit]]
-    if len(names) > limit:
-        parts.append(f"and {len(names) - limit} more")
-    return "; ".join(parts)
-
-
-async def save(state: Any, dir: str | os.PathLike[str], group: Any, *, step: int | None = None,
+async def save(state: Any, dir: str | os.PathLike[str], group: GroupLike, *,
+               step: int | None = None,
                keep_last: int | None = None, overwrite: bool = False,
                extra: Mapping[str, Any] | None = None, mesh: Mapping[str, Any] | None = None,
                check_replicated: ReplicaCheck | str | bool = ReplicaCheck.WARN,
@@ -260,11 +209,13 @@ async def save(state: Any, dir: str | os.PathLike[str], group: Any, *, step: int
     :class:`ShardedArray`. Stateful objects (a torch module or optimizer,
     :class:`RNGState`) are saved as their ``state_dict()``; torch tensors are written
     from their own memory (CPU only; no copy unless non-contiguous). ``timeout`` bounds
-    each collective step. Returns this rank's :class:`SaveResult`; raises ``CheckpointError`` (or a subclass) on every rank if any
-    rank fails, and then nothing is committed. Cancelling (or a timeout) before the
-    commit leaves a hidden staging directory, which is never loaded and is removed by
-    the next save (a shard write already running in its thread completes in the
-    background).
+    each collective step. ``group`` is a :class:`netdist.Group` or anything else
+    :class:`GroupLike`. Returns this rank's :class:`SaveResult`; raises
+    ``CheckpointError`` (or a subclass) on every rank if any rank fails (an OS error
+    names the rank and the file), and then nothing is committed. Cancelling (or a
+    timeout) before the commit leaves a hidden staging directory, which is never loaded
+    and is removed by the next save (a shard write already running in its thread
+    completes in the background).
     """
     started = time.perf_counter()
     check_keep_last(keep_last)
@@ -273,25 +224,32 @@ async def save(state: Any, dir: str | os.PathLike[str], group: Any, *, step: int
     rank, world_size = group.rank, group.world_size
     local_error: BaseException | None = None
     arrays: dict[str, np.ndarray] = {}
-    summary: dict[str, Any]
+    mine: dict[str, Any]
+    created: str | None = None  # rank 0: the staging directory it made
     try:
-        # in a thread: the replica check reads every replicated tensor once
-        summary, arrays = await asyncio.to_thread(_local_summary, state, check)
+        with os_errors(rank, "describe the state to save"):
+            # in a thread: the replica check reads every replicated tensor once
+            summary, arrays = await asyncio.to_thread(_local_summary, state, check)
         if rank == 0:
-            summary["step"], summary["staging"] = await asyncio.to_thread(
-                _prepare_root, root, step, overwrite)
+            chosen_step, created = await asyncio.to_thread(_prepare_root, root, step,
+                                                           overwrite)
+            summary = replace(summary, step=chosen_step, staging=created)
+        mine = summary.to_wire()
     except Exception as exc:  # reported to every rank below
         local_error = exc
-        summary = _describe(exc)
-    summaries = await group.all_gather_object(summary, timeout=timeout)
-    if rank == 0 and "staging" in summary and any("error" in s for s in summaries):
-        await _discard(root / summary["staging"])
-    _raise_gathered("checkpoint save", summaries, rank, local_error)
-    chosen = summaries[0]["step"]
-    staging = root / summaries[0]["staging"]
+        mine = _describe(exc)
+    gathered = await group.all_gather_object(mine, timeout=timeout)
+    if created is not None and any(RankFailure.from_wire(g) for g in gathered):
+        await _discard(root / created)
+    _raise_gathered("checkpoint save", gathered, rank, local_error)
+    summaries = [RankSummary.from_wire(g) for g in gathered]
+    chosen, staged_as = summaries[0].step, summaries[0].staging
+    if chosen is None or staged_as is None:  # pragma: no cover - rank 0 always sends them
+        raise CheckpointError("checkpoint save: rank 0 sent no step or staging directory")
+    staging = root / staged_as
     final = root / step_dir_name(chosen)
     try:
-        specs, layout, diverged = _merge(summaries, check)
+        specs, layout, diverged = merge_rank_summaries(summaries, check)
     except CheckpointError:
         if rank == 0:
             await _discard(staging)
@@ -301,7 +259,7 @@ async def save(state: Any, dir: str | os.PathLike[str], group: Any, *, step: int
         writers.update((name, 0) for name in diverged)
         warnings.warn(ReplicaDivergenceWarning(
             f"checkpoint step {chosen}: replicated tensors differ between ranks: "
-            f"{_describe_diverged(diverged)}; saving rank 0's copy of each "
+            f"{describe_diverged(diverged)}; saving rank 0's copy of each "
             f"(check_replicated='error' refuses instead)"), stacklevel=2)
 
     record: FileRecord | None = None
@@ -315,7 +273,7 @@ async def save(state: Any, dir: str | os.PathLike[str], group: Any, *, step: int
         local_error = exc
         manifest = _describe(exc)
     manifests = await group.all_gather_object(manifest, timeout=timeout)
-    if rank == 0 and any("error" in m for m in manifests):
+    if rank == 0 and any(RankFailure.from_wire(m) for m in manifests):
         await _discard(staging)
     _raise_gathered("checkpoint save", manifests, rank, local_error)
 
@@ -343,10 +301,10 @@ async def save(state: Any, dir: str | os.PathLike[str], group: Any, *, step: int
 # --------------------------------------------------------------------------- load
 
 
-async def load(dir: str | os.PathLike[str], group: Any, *, like: Any = None,
+async def load(dir: str | os.PathLike[str], group: GroupLike, *, like: Any = None,
                step: int | None = None, verify: bool = True, strict: bool = True,
-               rank_objects: str = "error", timeout: float | None = None,
-               threads: int | None = None) -> Any:
+               rank_objects: RankObjects | str = RankObjects.ERROR,
+               timeout: float | None = None, threads: int | None = None) -> Any:
     """Load a checkpoint collectively, resharding to ``group``'s world size.
 
     ``dir`` is a checkpoint root (``latest`` or ``step`` picks the checkpoint) or a
@@ -359,17 +317,20 @@ async def load(dir: str | os.PathLike[str], group: Any, *, like: Any = None,
     and the result has ``like``'s structure (:mod:`netdist.checkpoint.restore`). Without
     it the saved structure is rebuilt with fresh arrays (torch tensors where torch
     tensors were saved; tied ones as one tensor), sharded tensors re-split with
-    ``chunk_sizes`` as ``ShardedArray``. ``rank_objects`` is the world-size-change policy
-    for per-rank values (module docstring). Errors on any rank are raised on every rank.
+    ``chunk_sizes`` as ``ShardedArray``. ``rank_objects`` (:class:`RankObjects`) is the
+    world-size-change policy for per-rank values (module docstring). Errors on any rank
+    are raised on every rank (an OS error as ``CheckpointError`` naming the rank and the
+    file).
     """
-    check_rank_objects(rank_objects)
+    policy = check_rank_objects(rank_objects)
     rank, world_size = group.rank, group.world_size
     found: dict[str, Any]
     local_error: BaseException | None = None
     if rank == 0:
         try:
-            directory = await asyncio.to_thread(resolve_checkpoint, dir, step)
-            text = await asyncio.to_thread(read_metadata_text, directory)
+            with os_errors(rank, f"read the checkpoint metadata in {dir}"):
+                directory = await asyncio.to_thread(resolve_checkpoint, dir, step)
+                text = await asyncio.to_thread(read_metadata_text, directory)
             found = {"path": str(directory), "metadata": text}
         except Exception as exc:
             local_error = exc
@@ -380,7 +341,7 @@ async def load(dir: str | os.PathLike[str], group: Any, *, like: Any = None,
     _raise_gathered("checkpoint load", [found], rank, local_error)
     directory = Path(found["path"])
 
-    extents: dict[str, list[int]] = {}
+    extents: dict[str, ShardExtent] = {}
     status: dict[str, Any] = {"ok": True}
     metadata: ShardMetadata | None = None
     try:
@@ -388,26 +349,31 @@ async def load(dir: str | os.PathLike[str], group: Any, *, like: Any = None,
         if like is not None:
             for name, value in flatten_state(like, keep_statefuls=True).tensors.items():
                 if isinstance(value, ShardedArray):
-                    extents[name] = [value.shard_dim, int(value.data.shape[value.shard_dim])]
+                    extents[name] = ShardExtent(value.shard_dim,
+                                                int(value.data.shape[value.shard_dim]))
+        status = {"extents": {name: e.to_wire() for name, e in extents.items()}}
     except Exception as exc:
         local_error, status = exc, _describe(exc)
-    gathered = await group.all_gather_object({"extents": extents, **status}, timeout=timeout)
+    gathered = await group.all_gather_object(status, timeout=timeout)
     _raise_gathered("checkpoint load", gathered, rank, local_error)
+    status = {"ok": True}
     if metadata is None:  # pragma: no cover - a failed parse raised above
         raise CheckpointError("metadata missing")
 
     result: Any = None
     try:
-        # every rank file must hold what the metadata records before buffers are sized
-        await asyncio.to_thread(check_file_sizes, directory, metadata,
-                                [record.rank for record in metadata.files])
-        restore = plan_restore(metadata, like, rank, world_size, strict=strict,
-                               rank_objects=rank_objects,
-                               extents=[g["extents"] for g in gathered])
-        plan = plan_reads(metadata.tensor_specs, metadata.writers, restore.wanted)
-        await asyncio.to_thread(_read, directory, metadata, plan, restore.dests, verify,
-                                threads)
-        result = await asyncio.to_thread(restore.complete)
+        every_extent = [{name: ShardExtent.from_wire(e) for name, e in g["extents"].items()}
+                        for g in gathered]
+        with os_errors(rank, f"read checkpoint {directory}"):
+            # every rank file must hold what the metadata records before buffers are sized
+            await asyncio.to_thread(check_file_sizes, directory, metadata,
+                                    [record.rank for record in metadata.files])
+            restore = plan_restore(metadata, like, rank, world_size, strict=strict,
+                                   rank_objects=policy, extents=every_extent)
+            plan = plan_reads(metadata.tensor_specs, metadata.writers, restore.wanted)
+            await asyncio.to_thread(_read, directory, metadata, plan, restore.dests, verify,
+                                    threads)
+            result = await asyncio.to_thread(restore.complete)
     except Exception as exc:
         local_error, status = exc, _describe(exc)
     statuses = await group.all_gather_object(status, timeout=timeout)

@@ -27,11 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from netdist.checkpoint.api import (
-    CheckpointReader,
-    _file_metadata,
-    resolve_checkpoint,
-)
 from netdist.checkpoint.dtypes import CHECKPOINT_DTYPES
 from netdist.checkpoint.metadata import (
     METADATA_FILE,
@@ -39,11 +34,14 @@ from netdist.checkpoint.metadata import (
     ShardMetadata,
     StateLayout,
     TensorShardSpec,
-    encode_object,
+    encode_json_value,
     parse_step_dir_name,
     rank_file_name,
 )
+from netdist.checkpoint.options import (RESHARD_RANK_OBJECTS, RankObjects, TiedTensors,
+                                        parse_option)
 from netdist.checkpoint.planner import Box, assign_writers, box_shape, plan_reads, plan_writes
+from netdist.checkpoint.reading import CheckpointReader, resolve_checkpoint
 from netdist.checkpoint.state import skeleton_tensors
 from netdist.checkpoint.storage import (
     ShardFile,
@@ -53,6 +51,7 @@ from netdist.checkpoint.storage import (
     write_safetensors,
 )
 from netdist.checkpoint.views import VIEW_NODE, TensorView, numpy_view
+from netdist.checkpoint.writing import rank_file_metadata
 from netdist.errors import CheckpointError, CheckpointMismatchError, ConfigError
 
 __all__ = [
@@ -237,13 +236,10 @@ def _objects_metadata(metadata: ShardMetadata, *, whole: bool) -> dict[str, str]
     if metadata.step is not None:
         out["step"] = str(metadata.step)
     if metadata.extra:
-        out["netdist.extra"] = json.dumps(encode_object(dict(metadata.extra)))
+        out["netdist.extra"] = json.dumps(encode_json_value(dict(metadata.extra)))
     if metadata.state is not None and whole:
         out["netdist.state"] = json.dumps(metadata.state.to_json())
     return out
-
-
-TIED_POLICIES = ("copy", "drop")
 
 
 Row = tuple[str, str, bool, TensorView | None]
@@ -286,7 +282,7 @@ def _view_chunks(reader: CheckpointReader, name: str, view: TensorView,
 def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
                 step: int | None = None, verify: bool = True, progress: Progress | None = None,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, prefix: str = "",
-                tied: str = "copy") -> Path:
+                tied: TiedTensors | str = TiedTensors.COPY) -> Path:
     """Write the whole checkpoint as one safetensors file holding every full tensor.
 
     Streams tensor by tensor (``chunk_bytes`` at a time), writing the header first; the
@@ -301,14 +297,14 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
     as its own copy (safetensors has no views; ``load_state_dict`` puts the values back
     into a model's shared memory).
     A tied tensor (stored once in the checkpoint) is written under each of its names
-    with ``tied="copy"`` (what ``load_state_dict(strict=True)`` needs), or under its first
-    name only with ``tied="drop"`` (as ``save_pretrained`` does; ``from_pretrained`` ties
-    it again; the dropped names are listed in ``__metadata__["netdist.tied"]``). A file
+    with ``tied=TiedTensors.COPY`` (``"copy"``, what ``load_state_dict(strict=True)``
+    needs), or under its first name only with ``TiedTensors.DROP`` (``"drop"``, as
+    ``save_pretrained`` does; ``from_pretrained`` ties it again; the dropped names are
+    listed in ``__metadata__["netdist.tied"]``). A file
     of torch tensors says ``"format": "pt"`` in its ``__metadata__``, as torch's
     safetensors files do (``from_pretrained`` requires it).
     """
-    if tied not in TIED_POLICIES:
-        raise ConfigError(f"tied must be one of {TIED_POLICIES}, got {tied!r}")
+    tied = parse_option(tied, TiedTensors, "tied", "consolidate")
     directory = resolve_checkpoint(path, step)
     out = Path(out)
     _check_output_file(out, directory)
@@ -320,7 +316,7 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
     dropped: dict[str, str] = {}
     for name, stored, _, view in rows:
         key = (stored, view)  # the same window of the same stored tensor: a tie
-        if key in first_name and tied == "drop":
+        if key in first_name and tied is TiedTensors.DROP:
             dropped[name] = first_name[key]
         first_name.setdefault(key, name)
     rows = [row for row in rows if row[0] not in dropped]
@@ -357,16 +353,16 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
     return out
 
 
-def _remap_state(state: StateLayout | None, old: int, new: int, policy: str
+def _remap_state(state: StateLayout | None, old: int, new: int, policy: RankObjects
                  ) -> StateLayout | None:
     if state is None or not state.rank_objects or old == new:
         return state
-    if policy == "drop":
+    if policy is RankObjects.DROP:
         return replace(state, rank_objects={})
-    if policy == "modulo":
+    if policy is RankObjects.MODULO:
         return replace(state, rank_objects={k: tuple(v[r % old] for r in range(new))
                                             for k, v in state.rank_objects.items()})
-    if policy == "rank0":
+    if policy is RankObjects.RANK0:
         return replace(state, rank_objects={k: tuple(v[0] for _ in range(new))
                                             for k, v in state.rank_objects.items()})
     raise CheckpointMismatchError(
@@ -376,25 +372,27 @@ def _remap_state(state: StateLayout | None, old: int, new: int, policy: str
 
 def reshard_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
                        world_size: int, *, step: int | None = None, verify: bool = True,
-                       rank_objects: str = "error", progress: Progress | None = None,
+                       rank_objects: RankObjects | str = RankObjects.ERROR,
+                       progress: Progress | None = None,
                        chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ShardMetadata:
     """Rewrite a checkpoint for ``world_size`` ranks into the directory ``out``.
 
     Sharded tensors are re-split along their dim with ``chunk_sizes``; replicated ones are
     re-assigned by the dedup planner. Streams chunk by chunk; ``metadata.json`` is written
-    last. ``rank_objects`` maps per-rank values: ``error``, ``modulo``, ``rank0``, ``drop``.
+    last. ``rank_objects`` (:class:`RankObjects`) maps per-rank values: ``ERROR``,
+    ``MODULO``, ``RANK0`` or ``DROP`` (or their strings, ``"error"``, ...).
     ``out`` must not overlap the source (``ConfigError``, checked before anything is
     written): a checkpoint rewritten into itself would be corrupted.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
-    if rank_objects not in ("error", "modulo", "rank0", "drop"):
-        raise ConfigError(f"unknown rank_objects policy {rank_objects!r}")
+    policy = parse_option(rank_objects, RankObjects, "rank_objects", "reshard_checkpoint",
+                          RESHARD_RANK_OBJECTS)
     directory = resolve_checkpoint(path, step)
     out = Path(out)
     _check_output_dir(out, Path(path), directory)
     metadata = read_metadata(directory)
-    state = _remap_state(metadata.state, metadata.num_ranks, world_size, rank_objects)
+    state = _remap_state(metadata.state, metadata.num_ranks, world_size, policy)
     if (out / METADATA_FILE).exists():
         raise CheckpointError(f"{out} already holds a checkpoint")
     with _writing(out):
@@ -420,7 +418,7 @@ def reshard_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str]
             name = rank_file_name(rank)
             with _writing(out / name):
                 size, checksum = write_safetensors(
-                    out / name, sources, metadata=_file_metadata(rank, world_size),
+                    out / name, sources, metadata=rank_file_metadata(rank, world_size),
                     progress=None if progress is None else
                     lambda n: progress(base + n, total))
             records.append(FileRecord(rank, name, size, checksum))

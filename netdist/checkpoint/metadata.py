@@ -14,16 +14,16 @@ are plain names inside the checkpoint directory, per-rank value lists have one e
 per rank. Anything else is a ``CheckpointCorruptError`` naming the file.
 
 Non-tensor values (step counters, optimizer hyper-parameters, NumPy RNG states) travel
-through :func:`encode_object` / :func:`decode_object`, a JSON codec that round-trips the
-values JSON cannot carry natively: integers outside the signed 64-bit range (PCG64 states
-are 128-bit), NaN/infinity, tuples, dicts with non-string keys, bytes, NumPy scalars and
-small arrays, and ``np.random.Generator`` objects.
+through :func:`encode_json_value` / :func:`decode_json_value`, a JSON codec that
+round-trips the values JSON cannot carry natively: integers outside the signed 64-bit
+range (PCG64 states are 128-bit), NaN/infinity, tuples, dicts with non-string keys,
+bytes, NumPy scalars and small arrays, and ``np.random.Generator`` objects. (Not to be
+confused with the object collectives' msgpack blobs, ``netdist.collectives.objects``.)
 """
 
 from __future__ import annotations
 
 import base64
-import enum
 import json
 import math
 import re
@@ -36,7 +36,7 @@ import numpy as np
 from netdist.checkpoint.dtypes import CHECKPOINT_DTYPES, dtype_name
 from netdist.checkpoint.views import VIEW_NODE, TensorView
 from netdist.errors import CheckpointCorruptError, CheckpointVersionError
-from netdist.sharding import chunk_bounds, chunk_sizes
+from netdist.sharding import MAX_NDIM, Placement, TensorShardSpec, chunk_bounds, chunk_sizes
 
 __all__ = [
     "FORMAT_NAME",
@@ -59,8 +59,8 @@ __all__ = [
     "check_file_name",
     "json_depth",
     "parse_json",
-    "encode_object",
-    "decode_object",
+    "encode_json_value",
+    "decode_json_value",
 ]
 
 FORMAT_NAME = "netdist-checkpoint"
@@ -77,8 +77,6 @@ MAX_JSON_DEPTH = 128
 """Deepest nesting of arrays/objects accepted in ``metadata.json`` and in a safetensors
 header (serde_json's default, which the reference safetensors parser uses). Deeper
 documents are refused before anything recurses over them."""
-MAX_NDIM = 64
-"""Most dimensions a stored tensor may have (NumPy's own limit)."""
 MAX_METADATA_BYTES = 1 << 30
 """Largest ``metadata.json`` a reader accepts."""
 
@@ -173,140 +171,6 @@ def _describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class Placement(str, enum.Enum):
-    """How a tensor is laid out over the ranks that saved it."""
-
-    SHARDED = "sharded"
-    REPLICATED = "replicated"
-
-
-def _as_shape(shape: Any, what: str) -> tuple[int, ...]:
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        raise TypeError(f"{what} must be a sequence of ints, got {shape!r}") from None
-    if len(dims) > MAX_NDIM:
-        raise ValueError(f"{what} has {len(dims)} dimensions, more than {MAX_NDIM}")
-    for dim in dims:
-        if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim < 0:
-            raise ValueError(f"{what} must hold ints >= 0, got {shape!r:.80}")
-        if dim > _INT64_MAX:
-            raise ValueError(f"{what} has a dimension of {dim}, past the int64 range")
-    return tuple(int(d) for d in dims)
-
-
-@dataclass(frozen=True, slots=True)
-class TensorShardSpec:
-    """Placement of one tensor: sharded along ``shard_dim`` or replicated.
-
-    ``shard_sizes[r]`` is the extent of rank ``r``'s shard along ``shard_dim`` (shards
-    are contiguous and in rank order). ``shard_dim=None`` with no sizes is the explicit
-    replicated placement (every rank holds the full tensor; it is written once), best
-    built with :meth:`replicated`. ``dtype`` is a wire dtype name (``"float32"``);
-    ``None`` means "take it from the array at save time".
-    """
-
-    full_shape: tuple[int, ...]
-    shard_dim: int | None = 0
-    shard_sizes: tuple[int, ...] = ()
-    dtype: str | None = None
-
-    def __post_init__(self) -> None:
-        shape = _as_shape(self.full_shape, "full_shape")
-        if math.prod(shape) > _INT64_MAX:
-            raise ValueError(f"full_shape {shape} has {math.prod(shape)} elements, past the "
-                             f"int64 range")
-        object.__setattr__(self, "full_shape", shape)
-        sizes = _as_shape(self.shard_sizes, "shard_sizes")
-        object.__setattr__(self, "shard_sizes", sizes)
-        if self.dtype is not None:
-            object.__setattr__(self, "dtype", dtype_name(self.dtype))
-        if self.shard_dim is None:
-            if sizes:
-                raise ValueError("a replicated spec (shard_dim=None) takes no shard_sizes")
-            return
-        dim = self.shard_dim
-        if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool):
-            raise TypeError(f"shard_dim must be an int or None, got {dim!r}")
-        if not 0 <= dim < len(shape):
-            raise ValueError(f"shard_dim {dim} is out of range for shape {shape}")
-        object.__setattr__(self, "shard_dim", int(dim))
-        if not sizes:
-            raise ValueError("a sharded spec needs shard_sizes (one per rank)")
-        if sum(sizes) != shape[dim]:
-            raise ValueError(f"shard_sizes {sizes} sum to {sum(sizes)}, but dim {dim} of "
-                             f"{shape} has {shape[dim]}")
-
-    @classmethod
-    def replicated(cls, full_shape: Sequence[int], dtype: Any = None) -> TensorShardSpec:
-        """The replicated placement: every rank holds the whole tensor."""
-        return cls(tuple(full_shape), None, (), None if dtype is None else dtype_name(dtype))
-
-    @classmethod
-    def even(cls, full_shape: Sequence[int], num_ranks: int, shard_dim: int = 0,
-             dtype: Any = None) -> TensorShardSpec:
-        """Shard along ``shard_dim`` with ``chunk_sizes`` (first ``total % n`` one larger)."""
-        shape = _as_shape(full_shape, "full_shape")
-        if not 0 <= shard_dim < len(shape):
-            raise ValueError(f"shard_dim {shard_dim} is out of range for shape {shape}")
-        return cls(shape, shard_dim, tuple(chunk_sizes(shape[shard_dim], num_ranks)),
-                   None if dtype is None else dtype_name(dtype))
-
-    @property
-    def placement(self) -> Placement:
-        return Placement.REPLICATED if self.shard_dim is None else Placement.SHARDED
-
-    @property
-    def is_replicated(self) -> bool:
-        return self.shard_dim is None
-
-    @property
-    def num_shards(self) -> int | None:
-        """Number of ranks the tensor is split over; ``None`` when replicated."""
-        return None if self.shard_dim is None else len(self.shard_sizes)
-
-    def shard_bounds(self, rank: int) -> tuple[int, int]:
-        """``(start, stop)`` of ``rank``'s shard along ``shard_dim``."""
-        if self.shard_dim is None:
-            raise ValueError("a replicated tensor has no shard bounds")
-        if not 0 <= rank < len(self.shard_sizes):
-            raise ValueError(f"rank {rank} out of range for {len(self.shard_sizes)} shards")
-        start = sum(self.shard_sizes[:rank])
-        return start, start + self.shard_sizes[rank]
-
-    def box(self, rank: int) -> tuple[tuple[int, int], ...]:
-        """The region of the full tensor ``rank`` holds, as ``(start, stop)`` per dim."""
-        full = [(0, n) for n in self.full_shape]
-        if self.shard_dim is not None:
-            full[self.shard_dim] = self.shard_bounds(rank)
-        return tuple(full)
-
-    def local_shape(self, rank: int) -> tuple[int, ...]:
-        """Shape of ``rank``'s local array."""
-        return tuple(stop - start for start, stop in self.box(rank))
-
-    def with_dtype(self, dtype: Any) -> TensorShardSpec:
-        return TensorShardSpec(self.full_shape, self.shard_dim, self.shard_sizes,
-                               dtype_name(dtype))
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.full_shape),
-                               "placement": self.placement.value}
-        if self.shard_dim is not None:
-            out["shard_dim"] = self.shard_dim
-            out["shard_sizes"] = list(self.shard_sizes)
-        return out
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> TensorShardSpec:
-        placement = Placement(data["placement"])
-        shape = _json_list(data["shape"], "shape")
-        if placement is Placement.REPLICATED:
-            return cls(shape, None, (), data.get("dtype"))
-        return cls(shape, _strict_int(data["shard_dim"], "shard_dim"),
-                   _json_list(data["shard_sizes"], "shard_sizes"), data.get("dtype"))
-
-
 @dataclass(frozen=True, slots=True)
 class FileRecord:
     """One rank file as committed: name, exact size and per-block CRC-32 checksums.
@@ -376,17 +240,17 @@ class StateLayout:
 
     def to_json(self) -> dict[str, Any]:
         return {"skeleton": self.skeleton,
-                "objects": {k: encode_object(v) for k, v in self.objects.items()},
-                "rank_objects": {k: [encode_object(v) for v in vs]
+                "objects": {k: encode_json_value(v) for k, v in self.objects.items()},
+                "rank_objects": {k: [encode_json_value(v) for v in vs]
                                  for k, vs in self.rank_objects.items()}}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> StateLayout:
         rank_objects = {}
         for key, values in data.get("rank_objects", {}).items():
-            rank_objects[key] = tuple(decode_object(v) for v in _json_list(values, key))
+            rank_objects[key] = tuple(decode_json_value(v) for v in _json_list(values, key))
         return cls(data["skeleton"],
-                   {k: decode_object(v) for k, v in data.get("objects", {}).items()},
+                   {k: decode_json_value(v) for k, v in data.get("objects", {}).items()},
                    rank_objects)
 
     def check(self, num_ranks: int, tensors: Mapping[str, TensorShardSpec]) -> None:
@@ -441,7 +305,7 @@ def _skeleton_nodes(skeleton: Any) -> Iterator[dict[str, Any]]:
         for item in items:
             if not isinstance(item, list) or len(item) != 2:
                 raise ValueError(f"malformed state dict item {item!r:.80}")
-            key = decode_object(item[0])
+            key = decode_json_value(item[0])
             if not isinstance(key, (str, int)) or isinstance(key, bool):
                 raise ValueError(f"state dict key {key!r:.60} is not a str or int")
             stack.append(item[1])
@@ -454,7 +318,7 @@ class ShardMetadata:
     ``num_ranks`` ranks saved it; ``tensor_specs`` maps tensor name to placement;
     ``mesh`` optionally describes the device mesh (free-form, e.g.
     ``{"shape": [2, 2], "dim_names": ["dp", "tp"]}``); ``extra`` holds free-form
-    non-tensor state (encoded with :func:`encode_object`). Fields filled in by a save:
+    non-tensor state (encoded with :func:`encode_json_value`). Fields filled in by a save:
     ``writers`` (replicated tensor -> rank whose file holds it), ``files`` (one record per
     rank file), ``step``, ``state`` (the nested-state layout of a collective save) and
     ``generation`` (bumped each time a directory is saved into again).
@@ -548,10 +412,10 @@ class ShardMetadata:
             "num_ranks": self.num_ranks,
             "step": self.step,
             "generation": self.generation,
-            "mesh": encode_object(self.mesh) if self.mesh is not None else None,
+            "mesh": encode_json_value(self.mesh) if self.mesh is not None else None,
             "tensors": tensors,
             "files": [record.to_json() for record in self.files],
-            "extra": encode_object(dict(self.extra)),
+            "extra": encode_json_value(dict(self.extra)),
             "state": self.state.to_json() if self.state is not None else None,
         }
 
@@ -645,8 +509,8 @@ class ShardMetadata:
             num_ranks=num_ranks,
             tensor_specs=specs,
             version=version,
-            mesh=decode_object(data["mesh"]) if data.get("mesh") is not None else None,
-            extra=decode_object(data.get("extra", {})),
+            mesh=decode_json_value(data["mesh"]) if data.get("mesh") is not None else None,
+            extra=decode_json_value(data.get("extra", {})),
             step=step,
             writers=writers,
             files=files,
@@ -682,8 +546,8 @@ class ShardMetadata:
 # --------------------------------------------------------------------------- object codec
 
 
-def encode_object(obj: Any) -> Any:
-    """Encode a plain value into JSON-safe data that :func:`decode_object` inverts.
+def encode_json_value(obj: Any) -> Any:
+    """Encode a plain value into JSON-safe data that :func:`decode_json_value` inverts.
 
     Supported: None, bool, int (any size), float (incl. NaN/inf), str, bytes, list,
     tuple, dict (any encodable keys), NumPy scalars, small NumPy arrays (inline, base64),
@@ -704,7 +568,7 @@ def encode_object(obj: Any) -> Any:
         dtype = obj.dtype
         if dtype.name not in CHECKPOINT_DTYPES:
             raise TypeError(f"cannot encode NumPy scalar of dtype {dtype}")
-        return {_TAG: "scalar", "dtype": dtype.name, "v": encode_object(obj.item())}
+        return {_TAG: "scalar", "dtype": dtype.name, "v": encode_json_value(obj.item())}
     if isinstance(obj, np.ndarray):
         name = dtype_name(obj.dtype)
         data = np.ascontiguousarray(obj, dtype=CHECKPOINT_DTYPES[name])
@@ -713,17 +577,18 @@ def encode_object(obj: Any) -> Any:
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return {_TAG: "bytes", "v": base64.b64encode(bytes(obj)).decode("ascii")}
     if isinstance(obj, tuple):
-        return {_TAG: "tuple", "v": [encode_object(x) for x in obj]}
+        return {_TAG: "tuple", "v": [encode_json_value(x) for x in obj]}
     if isinstance(obj, list):
-        return [encode_object(x) for x in obj]
+        return [encode_json_value(x) for x in obj]
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj) and _TAG not in obj:
-            return {k: encode_object(v) for k, v in obj.items()}
-        return {_TAG: "dict", "v": [[encode_object(k), encode_object(v)] for k, v in obj.items()]}
+            return {k: encode_json_value(v) for k, v in obj.items()}
+        return {_TAG: "dict",
+                "v": [[encode_json_value(k), encode_json_value(v)] for k, v in obj.items()]}
     if isinstance(obj, np.random.Generator):
-        return {_TAG: "generator", "v": encode_object(obj.bit_generator.state)}
+        return {_TAG: "generator", "v": encode_json_value(obj.bit_generator.state)}
     if isinstance(obj, np.random.BitGenerator):
-        return {_TAG: "bit_generator", "v": encode_object(obj.state)}
+        return {_TAG: "bit_generator", "v": encode_json_value(obj.state)}
     raise TypeError(f"cannot store a {type(obj).__name__} in checkpoint metadata "
                     f"(plain values, NumPy scalars/arrays and RNGs only)")
 
@@ -736,15 +601,15 @@ def _bit_generator_from_state(state: Any) -> np.random.BitGenerator:
     return bit_gen
 
 
-def decode_object(data: Any) -> Any:
-    """Invert :func:`encode_object`."""
+def decode_json_value(data: Any) -> Any:
+    """Invert :func:`encode_json_value`."""
     if isinstance(data, list):
-        return [decode_object(x) for x in data]
+        return [decode_json_value(x) for x in data]
     if not isinstance(data, dict):
         return data
     tag = data.get(_TAG)
     if tag is None:
-        return {k: decode_object(v) for k, v in data.items()}
+        return {k: decode_json_value(v) for k, v in data.items()}
     try:
         value = data["v"]
         if tag == "int":
@@ -752,7 +617,7 @@ def decode_object(data: Any) -> Any:
         if tag == "float":
             return float(value)
         if tag == "scalar":
-            return CHECKPOINT_DTYPES[data["dtype"]].type(decode_object(value))
+            return CHECKPOINT_DTYPES[data["dtype"]].type(decode_json_value(value))
         if tag == "array":
             dtype = CHECKPOINT_DTYPES[data["dtype"]]
             raw = base64.b64decode(value)
@@ -760,13 +625,13 @@ def decode_object(data: Any) -> Any:
         if tag == "bytes":
             return base64.b64decode(value)
         if tag == "tuple":
-            return tuple(decode_object(x) for x in value)
+            return tuple(decode_json_value(x) for x in value)
         if tag == "dict":
-            return {_hashable(decode_object(k)): decode_object(v) for k, v in value}
+            return {_hashable(decode_json_value(k)): decode_json_value(v) for k, v in value}
         if tag == "generator":
-            return np.random.Generator(_bit_generator_from_state(decode_object(value)))
+            return np.random.Generator(_bit_generator_from_state(decode_json_value(value)))
         if tag == "bit_generator":
-            return _bit_generator_from_state(decode_object(value))
+            return _bit_generator_from_state(decode_json_value(value))
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise CheckpointCorruptError(f"malformed encoded value {data!r:.80}: {exc}") from exc
     raise CheckpointCorruptError(f"unknown encoded value tag {tag!r}")

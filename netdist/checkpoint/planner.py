@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from netdist.checkpoint.dtypes import CHECKPOINT_DTYPES
 from netdist.checkpoint.metadata import TensorShardSpec
-from netdist.errors import CheckpointCorruptError
+from netdist.errors import CheckpointCorruptError, CheckpointMismatchError
 
 __all__ = [
     "read_ranks",
@@ -170,18 +170,27 @@ def target_boxes(specs: Mapping[str, TensorShardSpec], rank: int) -> dict[str, B
     return {name: spec.box(rank) for name, spec in specs.items()}
 
 
+def _some_names(saved: Mapping[str, object], limit: int = 8) -> str:
+    names = sorted(saved)
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 def plan_reads(saved: Mapping[str, TensorShardSpec], writers: Mapping[str, int],
                wanted: Mapping[str, Box]) -> dict[str, tuple[ReadItem, ...]]:
     """For each wanted tensor region, the stored pieces that cover it.
 
     ``saved`` and ``writers`` describe the checkpoint; ``wanted[name]`` is a box in
     full-tensor coordinates (any box: a shard along the saved dim, along another dim, or
-    the whole tensor). The pieces tile the box exactly once.
+    the whole tensor). The pieces tile the box exactly once. A wanted name the
+    checkpoint lacks is a ``CheckpointMismatchError`` naming it.
     """
     plan: dict[str, tuple[ReadItem, ...]] = {}
     for name, want in wanted.items():
         if name not in saved:
-            raise KeyError(name)
+            raise CheckpointMismatchError(
+                f"plan_reads: tensor {name!r} is not in the checkpoint, which holds "
+                f"{len(saved)} tensors ({_some_names(saved)})")
         spec = saved[name]
         if len(want) != len(spec.full_shape):
             raise ValueError(f"{name}: wanted box {want} does not match shape {spec.full_shape}")

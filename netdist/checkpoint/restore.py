@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ from netdist.checkpoint.dtypes import (
     unrepresentable,
 )
 from netdist.checkpoint.metadata import ShardMetadata, StateLayout, TensorShardSpec
+from netdist.checkpoint.options import LOAD_RANK_OBJECTS, RankObjects, parse_option
 from netdist.checkpoint.planner import Box, box_shape
 from netdist.checkpoint.state import (
     SEPARATOR,
@@ -59,6 +60,7 @@ from netdist.checkpoint.state import (
     subtree_objects,
     unflatten_state,
 )
+from netdist.checkpoint.summary import ShardExtent
 from netdist.checkpoint.views import VIEW_NODE, TensorView, numpy_view, same_memory
 from netdist.errors import CheckpointCorruptError, CheckpointMismatchError
 from netdist.sharding import chunk_bounds
@@ -78,13 +80,14 @@ __all__ = [
 ]
 
 
-RANK_OBJECT_POLICIES = ("error", "like", "modulo", "rank0")
-"""How per-rank plain values map onto another world size (``netdist.checkpoint.collective``)."""
+RANK_OBJECT_POLICIES: tuple[str, ...] = tuple(p.value for p in LOAD_RANK_OBJECTS)
+"""The string spellings of the :class:`RankObjects` policies a load accepts."""
 
 
-def check_rank_objects(policy: str) -> None:
-    if policy not in RANK_OBJECT_POLICIES:
-        raise ValueError(f"rank_objects must be one of {RANK_OBJECT_POLICIES}, got {policy!r}")
+def check_rank_objects(policy: RankObjects | str, where: str = "load") -> RankObjects:
+    """``policy`` as a :class:`RankObjects` a load accepts; ``ConfigError`` (a
+    ``ValueError``) naming ``where`` and the allowed values otherwise."""
+    return parse_option(policy, RankObjects, "rank_objects", where, LOAD_RANK_OBJECTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,18 +191,18 @@ def per_rank_error(keys: list[str], num_ranks: int, world_size: int) -> Checkpoi
 
 
 def pick_object(key: str, layout: StateLayout, rank: int, world_size: int, num_ranks: int,
-                policy: str, like_objects: Mapping[str, Any] | None) -> Any:
+                policy: RankObjects, like_objects: Mapping[str, Any] | None) -> Any:
     """The saved value of ``key`` for ``rank`` (per-rank values mapped by ``policy``)."""
     if key in layout.objects:
         return layout.objects[key]
     values = layout.rank_objects[key]
     if world_size == num_ranks:
         return values[rank]
-    if policy == "modulo":
+    if policy is RankObjects.MODULO:
         return values[rank % num_ranks]
-    if policy == "rank0":
+    if policy is RankObjects.RANK0:
         return values[0]
-    if policy == "like" and like_objects is not None and key in like_objects:
+    if policy is RankObjects.LIKE and like_objects is not None and key in like_objects:
         return like_objects[key]
     raise per_rank_error([key], num_ranks, world_size)
 
@@ -342,34 +345,35 @@ def _torch_names(metadata: ShardMetadata) -> set[str]:
 
 
 def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int, *,
-                 strict: bool, rank_objects: str,
-                 extents: list[Mapping[str, Any]] | None = None) -> RestorePlan:
+                 strict: bool, rank_objects: RankObjects | str,
+                 extents: Sequence[Mapping[str, ShardExtent]] | None = None) -> RestorePlan:
     """Plan ``rank``'s share of a load at ``world_size`` (module docstring).
 
-    ``extents`` (collective loads) holds every rank's ``{name: [shard_dim, extent]}`` for
+    ``extents`` (collective loads) holds every rank's :class:`ShardExtent` by name for
     the ``ShardedArray`` leaves of its ``like``, which places each rank's shard; without
     it (per-rank loads) a ``ShardedArray`` must cover exactly this rank's part of the even
     re-split (``chunk_sizes``). Raises ``CheckpointMismatchError`` for anything ``like``
     cannot receive, before any byte is read.
     """
+    policy = check_rank_objects(rank_objects)
     specs = metadata.tensor_specs
     layout = metadata.state
     targets = _Targets(specs)
     if (layout is not None and layout.rank_objects and world_size != metadata.num_ranks
-            and rank_objects in ("error", "like")):
+            and policy in (RankObjects.ERROR, RankObjects.LIKE)):
         mapped: set[str] = set()
-        if like is not None and rank_objects == "like":
+        if like is not None and policy is RankObjects.LIKE:
             mapped = set(flatten_state(like, merge_views=False).objects)
         unmapped = sorted(set(layout.rank_objects) - mapped)
         if unmapped:
             raise per_rank_error(unmapped, metadata.num_ranks, world_size)
     if like is None:
-        return _plan_fresh(metadata, targets, rank, world_size, rank_objects)
+        return _plan_fresh(metadata, targets, rank, world_size, policy)
 
     def pick(key: str, like_objects: Mapping[str, Any] | None) -> Any:
         if layout is None:  # only keys of a saved layout are ever picked
             raise CheckpointCorruptError(f"the checkpoint records no value {key!r}")
-        return pick_object(key, layout, rank, world_size, metadata.num_ranks, rank_objects,
+        return pick_object(key, layout, rank, world_size, metadata.num_ranks, policy,
                            like_objects)
 
     flat = flatten_state(like, keep_statefuls=True, merge_views=False)
@@ -440,7 +444,7 @@ def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int,
 
 
 def _like_destination(name: str, path: str, spec: TensorShardSpec, value: Any, rank: int,
-                      world_size: int, extents: list[Mapping[str, Any]] | None
+                      world_size: int, extents: Sequence[Mapping[str, ShardExtent]] | None
                       ) -> tuple[Box, np.ndarray]:
     """The box a ``like`` leaf receives and the array it is read into."""
     if not isinstance(value, ShardedArray):
@@ -454,9 +458,9 @@ def _like_destination(name: str, path: str, spec: TensorShardSpec, value: Any, r
                                       f"{len(spec.full_shape)}-d tensor")
     if extents is not None:  # collective: every rank's extent is known
         per_rank = [e[path] for e in extents]
-        offset = sum(e[1] for e in per_rank[:rank])
-        total = sum(e[1] for e in per_rank)
-        tiles = all(e[0] == dim for e in per_rank) and total == spec.full_shape[dim]
+        offset = sum(e.extent for e in per_rank[:rank])
+        total = sum(e.extent for e in per_rank)
+        tiles = all(e.shard_dim == dim for e in per_rank) and total == spec.full_shape[dim]
         what = f"(dim {dim}, {total} in all)"
     else:  # per rank: this rank's part of the even re-split
         offset, stop = chunk_bounds(spec.full_shape[dim], world_size)[rank]
@@ -532,7 +536,7 @@ def _plan_stateful(path: str, obj: Any, sub: Any, targets: _Targets,
 
 
 def _plan_fresh(metadata: ShardMetadata, targets: _Targets, rank: int, world_size: int,
-                rank_objects: str) -> RestorePlan:
+                rank_objects: RankObjects) -> RestorePlan:
     """No ``like``: the saved structure, fresh arrays (torch tensors where saved so),
     sharded tensors re-split evenly as ``ShardedArray``."""
     layout = metadata.state

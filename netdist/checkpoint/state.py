@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from netdist.checkpoint.metadata import StateLayout, decode_object, encode_object
+from netdist.checkpoint.metadata import StateLayout, decode_json_value, encode_json_value
 from netdist.checkpoint.views import VIEW_NODE, TensorView
 from netdist.errors import CheckpointCorruptError, CheckpointMismatchError
 
@@ -224,7 +224,7 @@ def flatten_state(state: Any, *, keep_statefuls: bool = False, prefix: str = "",
             for key, child in value.items():
                 if not isinstance(key, (str, int)) or isinstance(key, bool):
                     raise TypeError(f"state dict keys must be str or int, got {key!r} at {path!r}")
-                items.append([encode_object(key), walk(child, _join(path, str(key)))])
+                items.append([encode_json_value(key), walk(child, _join(path, str(key)))])
             return {"t": "dict", "items": items}
         kind = "tuple" if isinstance(value, tuple) else "list"
         return {"t": kind, "items": [walk(child, _join(path, str(i)))
@@ -307,7 +307,7 @@ def unflatten_state(skeleton: Any, tensors: Mapping[str, Any], objects: Mapping[
     if kind == "dict":
         out = {}
         for k, child in skeleton["items"]:
-            key = decode_object(k)
+            key = decode_json_value(k)
             out[key] = unflatten_state(child, tensors, objects, statefuls, views,
                                        _join(prefix, str(key)))
         return out
@@ -328,7 +328,7 @@ def skeleton_tensors(skeleton: Any, prefix: str = "") -> Iterator[tuple[str, dic
         if kind in ("tensor", VIEW_NODE):
             yield path, node
         elif kind == "dict":
-            stack.extend((child, _join(path, str(decode_object(key))))
+            stack.extend((child, _join(path, str(decode_json_value(key))))
                          for key, child in reversed(node["items"]))
         elif kind in ("list", "tuple"):
             stack.extend((child, _join(path, str(i)))
@@ -343,7 +343,8 @@ def skeleton_subtree(skeleton: Any, keys: tuple[Any, ...]) -> Any | None:
         kind = node.get("t")
         if kind == "dict":
             for item_key, child in node["items"]:
-                if decode_object(item_key) == key and type(decode_object(item_key)) is type(key):
+                decoded = decode_json_value(item_key)
+                if decoded == key and type(decoded) is type(key):
                     node = child
                     break
             else:
@@ -375,7 +376,7 @@ def state_summary(flat: FlatState) -> dict[str, Any]:
     """What a rank tells the others (or the committing rank) about its plain values:
     the skeleton and every object as canonical JSON text (compared as text)."""
     return {"skeleton": flat.skeleton,
-            "objects": {key: json.dumps(encode_object(value), allow_nan=False)
+            "objects": {key: json.dumps(encode_json_value(value), allow_nan=False)
                         for key, value in flat.objects.items()}}
 
 
@@ -393,7 +394,7 @@ def merge_summaries(summaries: Sequence[Mapping[str, Any]]) -> StateLayout:
     for key, text in first["objects"].items():
         texts = [s["objects"][key] for s in summaries]
         if all(t == text for t in texts):
-            objects[key] = decode_object(json.loads(text))
+            objects[key] = decode_json_value(json.loads(text))
         else:
-            rank_objects[key] = tuple(decode_object(json.loads(t)) for t in texts)
+            rank_objects[key] = tuple(decode_json_value(json.loads(t)) for t in texts)
     return StateLayout(first["skeleton"], objects, rank_objects)

@@ -73,7 +73,7 @@ __all__ = [
     "read_metadata",
     "read_metadata_text",
     "ShardFile",
-    "byte_view",
+    "byte_memoryview",
 ]
 
 SAFETENSORS_DTYPES: dict[str, str] = {
@@ -94,10 +94,12 @@ _FUSED_READ_BYTES = 1 << 20  # verified reads: bytes per pread, CRC'd while in c
 _TEMP_MARK = ".tmp."
 
 
-def byte_view(array: np.ndarray) -> memoryview:
-    """A flat ``uint8`` memoryview of a C-contiguous array (any dtype, 0-d included)."""
+def byte_memoryview(array: np.ndarray) -> memoryview:
+    """A flat ``uint8`` ``memoryview`` of a C-contiguous array (any dtype, 0-d included),
+    the buffer ``pread``/``write`` take; ``ValueError`` for a strided array. (The
+    transport's ``mailbox.byte_view`` is a NumPy ``uint8`` view instead.)"""
     if not array.flags.c_contiguous:
-        raise ValueError("byte_view needs a C-contiguous array")
+        raise ValueError("byte_memoryview needs a C-contiguous array")
     return array.reshape(-1).view(np.uint8).data
 
 
@@ -449,7 +451,7 @@ def write_safetensors(path: str | os.PathLike[str], sources: Sequence[TensorSour
             expected = entry.end - entry.begin
             got = 0
             for chunk in source.iter_chunks():
-                view = byte_view(_as_le_contiguous(chunk, source.dtype))
+                view = byte_memoryview(_as_le_contiguous(chunk, source.dtype))
                 got += len(view)
                 if got > expected:
                     raise ValueError(f"{entry.name}: producer gave more than {expected} bytes")
@@ -757,7 +759,7 @@ class ShardFile:
         if n_runs == 1:  # one contiguous byte range
             offset = base + corner * itemsize
             if dest.flags.c_contiguous:
-                self.read_into(offset, byte_view(dest))
+                self.read_into(offset, byte_memoryview(dest))
             else:
                 self._read_contiguous_strided(offset, dtype, dest)
             return
@@ -767,7 +769,7 @@ class ShardFile:
                 sub = dest[(*index, ...)]
                 offset = base + element * itemsize
                 if sub.flags.c_contiguous:
-                    self.read_into(offset, byte_view(sub))
+                    self.read_into(offset, byte_memoryview(sub))
                 else:
                     self._read_contiguous_strided(offset, dtype, sub)
             return
@@ -787,7 +789,7 @@ class ShardFile:
             r1 = min(hi0, r0 + rows_per)
             first = corner + (r0 - lo0) * strides[0]
             span = (r1 - 1 - r0) * strides[0] + last_in_row + 1
-            self.read_into(base + first * itemsize, byte_view(scratch[:span]))
+            self.read_into(base + first * itemsize, byte_memoryview(scratch[:span]))
             view = np.ndarray((r1 - r0, *box_shape(box)[1:]), dtype=dtype,
                               buffer=scratch, offset=0, strides=byte_strides)
             np.copyto(dest[r0 - lo0:r1 - lo0], view)
@@ -808,5 +810,5 @@ class ShardFile:
         for r0 in range(0, dest.shape[0], rows_per):
             r1 = min(dest.shape[0], r0 + rows_per)
             part = scratch[:(r1 - r0) * row]
-            self.read_into(offset + r0 * row * itemsize, byte_view(part))
+            self.read_into(offset + r0 * row * itemsize, byte_memoryview(part))
             np.copyto(dest[r0:r1], part.reshape((r1 - r0, *dest.shape[1:])))

@@ -27,6 +27,8 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from netdist.checkpoint.options import RESHARD_RANK_OBJECTS  # PURE: enum and errors only
+
     parser = subparsers.add_parser(
         "ckpt", help="inspect, verify, consolidate or reshard a checkpoint",
         description="Work with netdist distributed checkpoints.")
@@ -50,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     common(p)
     p.add_argument("--world-size", type=int, required=True, metavar="N")
     p.add_argument("out", metavar="OUT", help="new checkpoint directory")
-    p.add_argument("--rank-objects", choices=("error", "modulo", "rank0", "drop"),
+    p.add_argument("--rank-objects", choices=[policy.value for policy in RESHARD_RANK_OBJECTS],
                    default="error",
                    help="how per-rank values map onto the new ranks (default: error)")
     p.add_argument("--no-verify", action="store_true", help="skip checksum verification")

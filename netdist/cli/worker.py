@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from netdist.parallel.schedule import ScheduleKind
+
 if TYPE_CHECKING:
     from netdist.train.demo import DemoConfig
 
@@ -73,8 +75,9 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
                         "--aggregator ring, no checkpointing")
     p.add_argument("--micro-batches", type=int, default=4, metavar="M",
                    help="micro-batches per replica batch (default 4)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b",
-                   help="pipeline schedule (default 1f1b)")
+    schedules = [kind.value for kind in ScheduleKind]
+    p.add_argument("--schedule", choices=schedules, default=ScheduleKind.ONE_F_ONE_B.value,
+                   help=f"pipeline schedule (default {ScheduleKind.ONE_F_ONE_B.value})")
     p.add_argument("--pipeline-balance", choices=("params", "layers"), default="params",
                    help="cut stages with equal parameter counts or equal layer counts "
                         "(default params)")

@@ -9,16 +9,23 @@ broadcast, gather, scatter, reduce, barrier, object collectives, p2p), subgroups
     await group.all_reduce(grads, op=ReduceOp.MEAN)
     work = await group.all_gather(shard, async_op=True)
     full = await work
+
+Names resolve lazily (``netdist._lazy``): importing the PURE ``netdist.collectives.plan``
+or ``netdist.collectives.hosts`` does not import ``group.py`` and with it asyncio.
 """
 
-from netdist.errors import CollectiveMismatchError
-from netdist.collectives.group import (
-    DEFAULT_SEGMENT_BYTES,
-    DEFAULT_SMALL_MESSAGE_BYTES,
-    P2P_TAG_LIMIT,
-    Group,
-)
-from netdist.collectives.work import Work
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+_EXPORTS: dict[str, str] = {
+    "Group": "netdist.collectives.group",
+    "Work": "netdist.collectives.work",
+    "CollectiveMismatchError": "netdist.errors",
+    "DEFAULT_SMALL_MESSAGE_BYTES": "netdist.collectives.group",
+    "DEFAULT_SEGMENT_BYTES": "netdist.collectives.group",
+    "P2P_TAG_LIMIT": "netdist.collectives.group",
+}
 
 __all__ = [
     "Group",
@@ -28,3 +35,17 @@ __all__ = [
     "DEFAULT_SEGMENT_BYTES",
     "P2P_TAG_LIMIT",
 ]
+
+if TYPE_CHECKING:
+    from netdist.collectives.group import (
+        DEFAULT_SEGMENT_BYTES,
+        DEFAULT_SMALL_MESSAGE_BYTES,
+        P2P_TAG_LIMIT,
+        Group,
+    )
+    from netdist.collectives.work import Work
+    from netdist.errors import CollectiveMismatchError
+else:
+    from netdist._lazy import attach as _attach
+
+    __getattr__, __dir__ = _attach(__name__, _EXPORTS)

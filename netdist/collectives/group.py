@@ -75,7 +75,7 @@ import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import msgpack
 import numpy as np
@@ -89,7 +89,7 @@ from netdist.collectives.local import (
     host_all_reduce,
     host_broadcast,
 )
-from netdist.collectives.objects import decode_object, encode_object
+from netdist.collectives.objects import pack_object_blob, unpack_object_blob
 from netdist.collectives.ring import (
     DEFAULT_DEPTH,
     chain_broadcast,
@@ -155,9 +155,6 @@ twice as many), within ``MIN_SEGMENT_BYTES .. segment_bytes``."""
 MIN_SEGMENT_BYTES = 256 * 1024
 """Smallest segment the ring and chain algorithms cut a mid-sized message into."""
 
-DEFAULT_TIMEOUT = 60.0
-"""Used when neither the group nor the transport names a timeout."""
-
 P2P_TAG_LIMIT = 2**20
 """Group point-to-point tags must be below this."""
 
@@ -167,12 +164,16 @@ _GID_LIMIT = (1 << 40) - 1  # the all-ones id is excluded: it would reach MAX_TA
 _P2P_BIT = 1 << 21
 _SEQ_SHIFT = 4
 _SEQ_MASK = (1 << 17) - 1
-_PROBE_TAG = P2P_TAG_LIMIT  # just above the application's p2p tags: never sent on
-_PROBE_SECONDS = 0.02
+_ROOT_COUNT_ATTRIBUTE = "_netdist_root_groups"
+_REACH_SECONDS = 1.0  # after a timeout: how long to try reaching members never talked to
 
 _WIRE_DTYPE_SET = frozenset(CARRIED_DTYPES.values())
 
 T = TypeVar("T")
+ArrayT = TypeVar("ArrayT", np.ndarray, "Tensor")
+"""An array-valued collective returns what it was given: NumPy in, NumPy out; torch in,
+torch out (``out=`` must then be of the same kind)."""
+OutputsT = TypeVar("OutputsT", bound="Sequence[np.ndarray | Tensor]")
 
 
 def _group_id(*parts: object) -> int:
@@ -226,12 +227,16 @@ def _timeout_value(timeout: float | None, what: str) -> float | None:
     return float(timeout)
 
 
-def _transport_timeout(transport: Transport) -> float:
-    value = getattr(transport, "timeout", None)
-    if value is None:
-        config = getattr(transport, "config", None)
-        value = getattr(config, "timeout", None)
-    return float(value) if value else DEFAULT_TIMEOUT
+def _next_root_group(transport: Transport) -> int:
+    """Number the next root ``Group`` built on ``transport``: 0, 1, 2, ...
+
+    Every rank builds its root groups in the same order, so equal numbers name the same
+    group on every rank and give it the same tag namespace. The count lives on the
+    transport object (groups of different transports never share it), owned by ``Group``.
+    """
+    created: int = getattr(transport, _ROOT_COUNT_ATTRIBUTE, 0)
+    setattr(transport, _ROOT_COUNT_ATTRIBUTE, created + 1)
+    return created
 
 
 class Group:
@@ -261,8 +266,8 @@ class Group:
             raise ValueError(f"shm_slot_bytes must be an int >= 4096, got {shm_slot_bytes!r}")
         timeout = _timeout_value(timeout, "timeout")
         self._setup(transport, tuple(range(transport.world_size)),
-                    _group_id("root", transport.next_root_group()),
-                    _transport_timeout(transport) if timeout is None else timeout,
+                    _group_id("root", _next_root_group(transport)),
+                    float(transport.timeout) if timeout is None else timeout,
                     small_message_bytes, segment_bytes, pipeline_depth,
                     shared_memory_enabled(shared_memory), -(-shm_slot_bytes // 64) * 64)
 
@@ -467,7 +472,7 @@ class Group:
             elapsed = loop.time() - started
             waiting = ("" if chan.waiting_on < 0 else
                        f", waiting for {self._group_rank_of(self._ranks[chan.waiting_on])}")
-            lost = await self._lost_peers()
+            lost = await self._lost_peers(reach=_REACH_SECONDS)
             raise NetdistTimeoutError(
                 f"{chan.op} on {self._describe()} timed out after {elapsed:.2f}s"
                 f"{waiting}{'; ' + '; '.join(lost) if lost else ''}") from None
@@ -488,28 +493,15 @@ class Group:
                 f"{chan.op} on {self._describe()}: {exc}; every rank must pass the same "
                 "shape and dtype") from exc
 
-    async def _lost_peers(self, exclude: int = -1) -> list[str]:
-        """Which members the transport already knows are gone (for timeout messages).
-
-        A receive on a tag nobody sends on fails at once with ``PeerLostError`` for a
-        lost peer and simply times out (after ``_PROBE_SECONDS``) for a live one.
-        """
-        probe_tag = self._tag_base | _P2P_BIT | _PROBE_TAG
-
-        async def probe(peer: int) -> str | None:
-            try:
-                await self._transport.recv(peer, tag=probe_tag, timeout=_PROBE_SECONDS)
-            except PeerLostError as exc:
-                return f"{self._group_rank_of(peer)} is lost: {exc}"
-            except Exception:  # noqa: BLE001 - alive (timed out) or transport closed
-                return None
-            return None  # pragma: no cover - nobody sends on the probe tag
-
-        peers = [p for p in self._ranks if p != self._transport.rank and p != exclude]
+    async def _lost_peers(self, exclude: int = -1, *, reach: float = 0.0) -> list[str]:
+        """Which members are gone, for error messages: what the transport knows, and
+        after a timeout (``reach`` seconds) also members this rank never talked to, which
+        a transport connecting on first use then tries to reach."""
+        peers = [p for p in self._ranks if p not in (self._transport.rank, exclude)]
         if not peers or self._transport.closed:
             return []
-        found = await asyncio.gather(*(probe(p) for p in peers))
-        return [text for text in found if text]
+        found = await self._transport.find_lost_peers(peers, timeout=reach)
+        return [f"{self._group_rank_of(p)} is lost: {found[p]}" for p in peers if p in found]
 
     def _flat(self, array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(work, flat)``: a C-contiguous working array and its 1-D view."""
@@ -544,6 +536,18 @@ class Group:
 
     # -- collectives ---------------------------------------------------------------------
 
+    @overload
+    async def all_reduce(self, array: ArrayT, op: ReduceOp | str = ReduceOp.SUM, *,
+                         timeout: float | None = None,
+                         async_op: Literal[False] = False) -> ArrayT: ...
+    @overload
+    async def all_reduce(self, array: ArrayT, op: ReduceOp | str = ReduceOp.SUM, *,
+                         timeout: float | None = None,
+                         async_op: Literal[True]) -> Work: ...
+    @overload
+    async def all_reduce(self, array: ArrayT, op: ReduceOp | str = ReduceOp.SUM, *,
+                         timeout: float | None = None,
+                         async_op: bool) -> ArrayT | Work: ...
     async def all_reduce(self, array: np.ndarray | Tensor, op: ReduceOp | str = ReduceOp.SUM, *,
                          timeout: float | None = None, async_op: bool = False) -> Any:
         """Reduce ``array`` over all ranks, in place; returns ``array`` (or a ``Work``).
@@ -584,6 +588,18 @@ class Group:
 
         return await self._submit("all_reduce", body, timeout, async_op)
 
+    @overload
+    async def reduce_scatter(self, array: ArrayT, op: ReduceOp | str = ReduceOp.SUM, *,
+                             out: ArrayT | None = None, timeout: float | None = None,
+                             async_op: Literal[False] = False) -> ArrayT: ...
+    @overload
+    async def reduce_scatter(self, array: ArrayT, op: ReduceOp | str = ReduceOp.SUM, *,
+                             out: ArrayT | None = None, timeout: float | None = None,
+                             async_op: Literal[True]) -> Work: ...
+    @overload
+    async def reduce_scatter(self, array: ArrayT, op: ReduceOp | str = ReduceOp.SUM, *,
+                             out: ArrayT | None = None, timeout: float | None = None,
+                             async_op: bool) -> ArrayT | Work: ...
     async def reduce_scatter(self, array: np.ndarray | Tensor,
                              op: ReduceOp | str = ReduceOp.SUM, *,
                              out: np.ndarray | Tensor | None = None,
@@ -645,6 +661,18 @@ class Group:
 
         return await self._submit("reduce_scatter", body, timeout, async_op)
 
+    @overload
+    async def all_gather(self, shard: ArrayT, *, out: ArrayT | None = None,
+                         timeout: float | None = None,
+                         async_op: Literal[False] = False) -> ArrayT: ...
+    @overload
+    async def all_gather(self, shard: ArrayT, *, out: ArrayT | None = None,
+                         timeout: float | None = None,
+                         async_op: Literal[True]) -> Work: ...
+    @overload
+    async def all_gather(self, shard: ArrayT, *, out: ArrayT | None = None,
+                         timeout: float | None = None,
+                         async_op: bool) -> ArrayT | Work: ...
     async def all_gather(self, shard: np.ndarray | Tensor, *,
                          out: np.ndarray | Tensor | None = None,
                          timeout: float | None = None, async_op: bool = False) -> Any:
@@ -742,6 +770,15 @@ class Group:
             sizes.append(int(shape[0]))
         return sizes
 
+    @overload
+    async def broadcast(self, array: ArrayT, src: int, *, timeout: float | None = None,
+                        async_op: Literal[False] = False) -> ArrayT: ...
+    @overload
+    async def broadcast(self, array: ArrayT, src: int, *, timeout: float | None = None,
+                        async_op: Literal[True]) -> Work: ...
+    @overload
+    async def broadcast(self, array: ArrayT, src: int, *, timeout: float | None = None,
+                        async_op: bool) -> ArrayT | Work: ...
     async def broadcast(self, array: np.ndarray | Tensor, src: int, *,
                         timeout: float | None = None, async_op: bool = False) -> Any:
         """Copy ``array`` from group rank ``src`` into ``array`` on every rank, in place."""
@@ -776,6 +813,18 @@ class Group:
 
         return await self._submit("broadcast", body, timeout, async_op)
 
+    @overload
+    async def reduce(self, array: ArrayT, dst: int, op: ReduceOp | str = ReduceOp.SUM, *,
+                     timeout: float | None = None,
+                     async_op: Literal[False] = False) -> ArrayT: ...
+    @overload
+    async def reduce(self, array: ArrayT, dst: int, op: ReduceOp | str = ReduceOp.SUM, *,
+                     timeout: float | None = None,
+                     async_op: Literal[True]) -> Work: ...
+    @overload
+    async def reduce(self, array: ArrayT, dst: int, op: ReduceOp | str = ReduceOp.SUM, *,
+                     timeout: float | None = None,
+                     async_op: bool) -> ArrayT | Work: ...
     async def reduce(self, array: np.ndarray | Tensor, dst: int,
                      op: ReduceOp | str = ReduceOp.SUM, *,
                      timeout: float | None = None, async_op: bool = False) -> Any:
@@ -828,6 +877,15 @@ class Group:
         finally:
             chan.waiting_on = gather.waiting_on
 
+    @overload
+    async def gather(self, array: ArrayT, dst: int, *, timeout: float | None = None,
+                     async_op: Literal[False] = False) -> list[ArrayT] | None: ...
+    @overload
+    async def gather(self, array: ArrayT, dst: int, *, timeout: float | None = None,
+                     async_op: Literal[True]) -> Work: ...
+    @overload
+    async def gather(self, array: ArrayT, dst: int, *, timeout: float | None = None,
+                     async_op: bool) -> list[ArrayT] | None | Work: ...
     async def gather(self, array: np.ndarray | Tensor, dst: int, *,
                      timeout: float | None = None, async_op: bool = False) -> Any:
         """Collect every rank's ``array`` on group rank ``dst``.
@@ -854,6 +912,26 @@ class Group:
 
         return await self._submit("gather", body, timeout, async_op)
 
+    @overload
+    async def scatter(self, arrays: Sequence[ArrayT] | None, src: int, *, out: ArrayT,
+                      timeout: float | None = None,
+                      async_op: Literal[False] = False) -> ArrayT: ...
+    @overload
+    async def scatter(self, arrays: Sequence[np.ndarray] | None, src: int, *,
+                      out: None = None, timeout: float | None = None,
+                      async_op: Literal[False] = False) -> np.ndarray: ...
+    @overload
+    async def scatter(self, arrays: Sequence[np.ndarray | Tensor] | None, src: int, *,
+                      out: None = None, timeout: float | None = None,
+                      async_op: Literal[False] = False) -> np.ndarray | Tensor: ...
+    @overload
+    async def scatter(self, arrays: Sequence[np.ndarray | Tensor] | None, src: int, *,
+                      out: np.ndarray | Tensor | None = None, timeout: float | None = None,
+                      async_op: Literal[True]) -> Work: ...
+    @overload
+    async def scatter(self, arrays: Sequence[np.ndarray | Tensor] | None, src: int, *,
+                      out: np.ndarray | Tensor | None = None, timeout: float | None = None,
+                      async_op: bool) -> np.ndarray | Tensor | Work: ...
     async def scatter(self, arrays: Sequence[np.ndarray | Tensor] | None, src: int, *,
                       out: np.ndarray | Tensor | None = None,
                       timeout: float | None = None, async_op: bool = False) -> Any:
@@ -903,6 +981,18 @@ class Group:
 
         return await self._submit("scatter", body, timeout, async_op)
 
+    @overload
+    async def all_to_all(self, inputs: Sequence[np.ndarray | Tensor], outputs: OutputsT, *,
+                         timeout: float | None = None,
+                         async_op: Literal[False] = False) -> OutputsT: ...
+    @overload
+    async def all_to_all(self, inputs: Sequence[np.ndarray | Tensor], outputs: OutputsT, *,
+                         timeout: float | None = None,
+                         async_op: Literal[True]) -> Work: ...
+    @overload
+    async def all_to_all(self, inputs: Sequence[np.ndarray | Tensor], outputs: OutputsT, *,
+                         timeout: float | None = None,
+                         async_op: bool) -> OutputsT | Work: ...
     async def all_to_all(self, inputs: Sequence[np.ndarray | Tensor],
                          outputs: Sequence[np.ndarray | Tensor], *,
                          timeout: float | None = None, async_op: bool = False) -> Any:
@@ -945,6 +1035,15 @@ class Group:
 
         return await self._submit("all_to_all", body, timeout, async_op)
 
+    @overload
+    async def barrier(self, *, timeout: float | None = None,
+                      async_op: Literal[False] = False) -> None: ...
+    @overload
+    async def barrier(self, *, timeout: float | None = None,
+                      async_op: Literal[True]) -> Work: ...
+    @overload
+    async def barrier(self, *, timeout: float | None = None,
+                      async_op: bool) -> None | Work: ...
     async def barrier(self, *, timeout: float | None = None, async_op: bool = False) -> Any:
         """Wait until every member has entered the barrier (dissemination, no root)."""
         self._check_member("barrier")
@@ -954,6 +1053,15 @@ class Group:
 
         return await self._submit("barrier", body, timeout, async_op)
 
+    @overload
+    async def all_gather_object(self, obj: Any, *, timeout: float | None = None,
+                                async_op: Literal[False] = False) -> list[Any]: ...
+    @overload
+    async def all_gather_object(self, obj: Any, *, timeout: float | None = None,
+                                async_op: Literal[True]) -> Work: ...
+    @overload
+    async def all_gather_object(self, obj: Any, *, timeout: float | None = None,
+                                async_op: bool) -> list[Any] | Work: ...
     async def all_gather_object(self, obj: Any, *, timeout: float | None = None,
                                 async_op: bool = False) -> Any:
         """Gather one msgpack-able object per rank; returns the list in group rank order.
@@ -962,16 +1070,25 @@ class Group:
         be encoded raises ``TypeError``; the others raise ``CollectiveError`` naming it.
         """
         self._check_member("all_gather_object")
-        blob, error = encode_object(obj, "all_gather_object")
+        blob, error = pack_object_blob(obj, "all_gather_object")
 
         async def body(chan: Channel) -> list[Any]:
             blobs = await bruck_all_gather_blobs(chan, blob)
             if error is not None:
                 raise error
-            return [decode_object(b, chan.op, source) for source, b in enumerate(blobs)]
+            return [unpack_object_blob(b, chan.op, source) for source, b in enumerate(blobs)]
 
         return await self._submit("all_gather_object", body, timeout, async_op)
 
+    @overload
+    async def broadcast_object(self, obj: Any, src: int, *, timeout: float | None = None,
+                               async_op: Literal[False] = False) -> Any: ...
+    @overload
+    async def broadcast_object(self, obj: Any, src: int, *, timeout: float | None = None,
+                               async_op: Literal[True]) -> Work: ...
+    @overload
+    async def broadcast_object(self, obj: Any, src: int, *, timeout: float | None = None,
+                               async_op: bool) -> Any | Work: ...
     async def broadcast_object(self, obj: Any, src: int, *, timeout: float | None = None,
                                async_op: bool = False) -> Any:
         """Return group rank ``src``'s ``obj`` on every rank (msgpack only, never pickle).
@@ -981,14 +1098,14 @@ class Group:
         """
         self._check_member("broadcast_object")
         src = self._peer(src, "broadcast_object src")
-        blob, error = (encode_object(obj, "broadcast_object") if self._rank == src
+        blob, error = (pack_object_blob(obj, "broadcast_object") if self._rank == src
                        else (b"", None))
 
         async def body(chan: Channel) -> Any:
             received = await tree_broadcast_blob(chan, blob, src)
             if error is not None:
                 raise error
-            return decode_object(received, chan.op, src)
+            return unpack_object_blob(received, chan.op, src)
 
         return await self._submit("broadcast_object", body, timeout, async_op)
 
@@ -1017,6 +1134,15 @@ class Group:
         task.add_done_callback(self._forget)
         return Work(task, op)
 
+    @overload
+    async def send(self, array: Any, dst: int, tag: int = 0, *, timeout: float | None = None,
+                   async_op: Literal[False] = False) -> None: ...
+    @overload
+    async def send(self, array: Any, dst: int, tag: int = 0, *, timeout: float | None = None,
+                   async_op: Literal[True]) -> Work: ...
+    @overload
+    async def send(self, array: Any, dst: int, tag: int = 0, *, timeout: float | None = None,
+                   async_op: bool) -> None | Work: ...
     async def send(self, array: Any, dst: int, tag: int = 0, *, timeout: float | None = None,
                    async_op: bool = False) -> Any:
         """Send ``array`` (ndarray, CPU tensor or bytes-like) to group rank ``dst`` on
@@ -1040,6 +1166,21 @@ class Group:
 
         return await self._p2p("send", body, deadline, dst, async_op)
 
+    @overload
+    async def recv(self, src: int, tag: int = 0, *, out: None = None,
+                   timeout: float | None = None,
+                   async_op: Literal[False] = False) -> np.ndarray: ...
+    @overload
+    async def recv(self, src: int, tag: int = 0, *, out: ArrayT,
+                   timeout: float | None = None,
+                   async_op: Literal[False] = False) -> ArrayT: ...
+    @overload
+    async def recv(self, src: int, tag: int = 0, *, out: np.ndarray | Tensor | None = None,
+                   timeout: float | None = None, async_op: Literal[True]) -> Work: ...
+    @overload
+    async def recv(self, src: int, tag: int = 0, *, out: np.ndarray | Tensor | None = None,
+                   timeout: float | None = None,
+                   async_op: bool) -> np.ndarray | Tensor | Work: ...
     async def recv(self, src: int, tag: int = 0, *, out: np.ndarray | Tensor | None = None,
                    timeout: float | None = None, async_op: bool = False) -> Any:
         """Receive the next message from group rank ``src`` on ``tag`` (into ``out``).

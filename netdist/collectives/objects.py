@@ -14,7 +14,7 @@ import msgpack
 
 from netdist.errors import CollectiveError
 
-__all__ = ["encode_object", "decode_object", "ObjectEncodeError"]
+__all__ = ["pack_object_blob", "unpack_object_blob", "ObjectEncodeError"]
 
 _OK = b"\x00"
 _FAILED = b"\x01"
@@ -24,9 +24,13 @@ class ObjectEncodeError(TypeError):
     """This rank's object cannot be encoded with msgpack."""
 
 
-def encode_object(obj: Any, op: str) -> tuple[bytes, ObjectEncodeError | None]:
-    """Return ``(blob, error)``: the status-prefixed msgpack of ``obj``, or a failure blob
-    carrying the reason plus the ``TypeError`` to raise locally after the exchange."""
+def pack_object_blob(obj: Any, op: str) -> tuple[bytes, ObjectEncodeError | None]:
+    """Pack ``obj`` into the blob one rank sends in an object collective.
+
+    Returns ``(blob, error)``: the status-prefixed msgpack of ``obj``, or a failure blob
+    carrying the reason plus the ``TypeError`` to raise locally after the exchange.
+    (The checkpoint's JSON codec for plain values is a different thing:
+    ``netdist.checkpoint.metadata.encode_json_value``.)"""
     try:
         packed = msgpack.packb(obj, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -37,8 +41,9 @@ def encode_object(obj: Any, op: str) -> tuple[bytes, ObjectEncodeError | None]:
     return _OK + packed, None
 
 
-def decode_object(blob: bytes, op: str, source: int) -> Any:
-    """Decode a blob from group rank ``source``; ``CollectiveError`` if that rank failed."""
+def unpack_object_blob(blob: bytes, op: str, source: int) -> Any:
+    """Unpack a :func:`pack_object_blob` blob from group rank ``source``;
+    ``CollectiveError`` naming that rank if it could not pack its object."""
     if blob[:1] == _FAILED:
         raise CollectiveError(f"{op}: group rank {source} could not send its object: "
                               f"{blob[1:].decode(errors='replace')}")

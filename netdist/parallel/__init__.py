@@ -1,33 +1,51 @@
-"""Data parallelism: gradient aggregators (dense bucketed all-reduce, float16, top-k).
+"""Data parallelism (gradient aggregators), FSDP / ZeRO and pipeline parallelism.
 
-FSDP and pipeline parallelism live in sibling modules of this package and are imported
-from them directly.
+The aggregators (dense bucketed all-reduce, float16, top-k) and ``FSDP`` are importable
+from here; FSDP's other names and the pipeline live in sibling modules
+(``netdist.parallel.fsdp``, ``.pipeline``, ``.stages``, ``.schedule``) and are imported
+from them directly. Names resolve on first use (``netdist._lazy``), so importing a PURE
+module of this package (``stages``, ``schedule``, ``flat_param``, ``fsdp_strategy``,
+``fsdp_stats``) does not load the aggregators, the collectives or ``asyncio``.
 """
 
-from netdist.parallel.aggregators import (
-    AllReduceAggregator,
-    Bucket,
-    BucketEntry,
-    Fp16AllReduceAggregator,
-    GradientAggregator,
-    LocalAggregator,
-    OverlapAggregator,
-    OverlapSession,
-    SessionState,
-    TopKAggregator,
-    plan_buckets,
-)
+from __future__ import annotations
 
-__all__ = [
-    "GradientAggregator",
-    "LocalAggregator",
-    "AllReduceAggregator",
-    "Fp16AllReduceAggregator",
-    "TopKAggregator",
-    "OverlapAggregator",
-    "OverlapSession",
-    "SessionState",
-    "Bucket",
-    "BucketEntry",
-    "plan_buckets",
-]
+from typing import TYPE_CHECKING
+
+_EXPORTS: dict[str, str] = {
+    "GradientAggregator": "netdist.parallel.aggregators",
+    "LocalAggregator": "netdist.parallel.aggregators",
+    "AllReduceAggregator": "netdist.parallel.aggregators",
+    "Fp16AllReduceAggregator": "netdist.parallel.aggregators",
+    "TopKAggregator": "netdist.parallel.aggregators",
+    "OverlapAggregator": "netdist.parallel.aggregators",
+    "OverlapSession": "netdist.parallel.aggregators",
+    "SessionState": "netdist.parallel.aggregators",
+    "Bucket": "netdist.parallel.aggregators",
+    "BucketEntry": "netdist.parallel.aggregators",
+    "plan_buckets": "netdist.parallel.aggregators",
+    "FSDP": "netdist.parallel.fsdp",
+    "ShardingStrategy": "netdist.parallel.fsdp",
+}
+
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:  # static analysers see the eager imports
+    from netdist.parallel.aggregators import (
+        AllReduceAggregator,
+        Bucket,
+        BucketEntry,
+        Fp16AllReduceAggregator,
+        GradientAggregator,
+        LocalAggregator,
+        OverlapAggregator,
+        OverlapSession,
+        SessionState,
+        TopKAggregator,
+        plan_buckets,
+    )
+    from netdist.parallel.fsdp import FSDP, ShardingStrategy
+else:
+    from netdist._lazy import attach as _attach
+
+    __getattr__, __dir__ = _attach(__name__, _EXPORTS)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from netdist.sharding import chunk_bounds, padded_size
+from netdist.sharding import FlatSlot, chunk_bounds, flat_slots, padded_size
 from netdist.tensors import as_array, is_tensor
 from netdist.types import BFLOAT16, is_bfloat16
 
@@ -93,14 +93,9 @@ def plan_units(param_counts: Sequence[int], min_params: int = 0) -> tuple[tuple[
     return tuple(units)
 
 
-@dataclass(frozen=True, slots=True)
-class ParamSlot:
-    """Where one parameter lives in its unit's flat buffer: ``flat[offset:offset+numel]``."""
-
-    name: str
-    shape: tuple[int, ...]
-    offset: int
-    numel: int
+ParamSlot = FlatSlot
+"""Where one parameter lives in its unit's flat buffer: ``flat[offset:offset+numel]``
+(the shared flat layout's ``netdist.sharding.FlatSlot``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,16 +134,12 @@ class FlatParamLayout:
         shards = _check_int(num_shards, "num_shards", 1)
         if len(names) != len(shapes):
             raise ValueError(f"{len(names)} names for {len(shapes)} shapes")
-        dtype_label = dtype_name(dtype)
-        slots = []
-        offset = 0
-        for name, shape in zip(names, shapes):
-            dims = tuple(_check_int(d, f"dimension of {name!r}", 0) for d in shape)
-            numel = int(np.prod(dims, dtype=np.int64))
-            slots.append(ParamSlot(str(name), dims, offset, numel))
-            offset += numel
-        padded = padded_size(offset, shards)
-        return cls(tuple(slots), dtype_label, shards, offset, padded, padded // shards)
+        dims = [tuple(_check_int(d, f"dimension of {name!r}", 0) for d in shape)
+                for name, shape in zip(names, shapes)]
+        slots = flat_slots(names, dims)
+        numel = slots[-1].stop if slots else 0
+        padded = padded_size(numel, shards)
+        return cls(slots, dtype_name(dtype), shards, numel, padded, padded // shards)
 
     @property
     def np_dtype(self) -> np.dtype[Any]:
@@ -179,10 +170,9 @@ class FlatParamLayout:
         start, stop = self.shard_bounds(shard)
         out = []
         for index, slot in enumerate(self.slots):
-            lo = max(start, slot.offset)
-            hi = min(stop, slot.offset + slot.numel)
+            lo, hi = slot.overlap(start, stop)
             if hi > lo:
-                out.append(ShardPiece(index, lo - slot.offset, hi - slot.offset, lo - start))
+                out.append(ShardPiece(index, lo, hi, slot.offset + lo - start))
         return tuple(out)
 
     def param_shard_sizes(self, slot: int) -> tuple[int, ...]:
@@ -194,12 +184,8 @@ class FlatParamLayout:
         if not 0 <= slot < len(self.slots):
             raise ValueError(f"slot {slot} is outside 0..{len(self.slots) - 1}")
         entry = self.slots[slot]
-        sizes = []
-        for start, stop in chunk_bounds(self.padded_numel, self.num_shards):
-            lo = max(start, entry.offset)
-            hi = min(stop, entry.offset + entry.numel)
-            sizes.append(max(0, hi - lo))
-        return tuple(sizes)
+        bounds = chunk_bounds(self.padded_numel, self.num_shards)
+        return tuple(hi - lo for lo, hi in (entry.overlap(start, stop) for start, stop in bounds))
 
     def flatten(self, arrays: Sequence[Any], out: np.ndarray | None = None) -> np.ndarray:
         """Copy ``arrays`` (one per slot, matching shapes; NumPy arrays or CPU tensors)
@@ -227,7 +213,7 @@ class FlatParamLayout:
                 raise TypeError(f"{what}: dtype {dtype_name(value.dtype)}, layout has "
                                 f"{self.dtype}; convert it first (bfloat16 is never cast "
                                 "implicitly)")
-            target = out[slot.offset:slot.offset + slot.numel]
+            target = out[slot.offset:slot.stop]
             if bf16:  # copy the bits: ml_dtypes' type and the raw bits are the same data
                 target.view(np.uint16)[...] = value.view(np.uint16).reshape(-1)
             else:
@@ -239,7 +225,7 @@ class FlatParamLayout:
         """Per-parameter views (original shapes) into a flat buffer of ``numel`` or more."""
         if flat.ndim != 1 or flat.size < self.numel:
             raise ValueError(f"flat buffer of shape {flat.shape} is smaller than {self.numel}")
-        return [flat[s.offset:s.offset + s.numel].reshape(s.shape) for s in self.slots]
+        return [slot.view(flat) for slot in self.slots]
 
     def _check_shard(self, shard: int) -> None:
         if not 0 <= shard < self.num_shards:

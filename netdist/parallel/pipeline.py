@@ -5,9 +5,10 @@ Each rank holds one stage: a contiguous slice of the model's layers
 (``micro_batch_bounds``); activations travel forward ``stage s -> s + 1`` and activation
 gradients backward ``s + 1 -> s``, each message on its own transport tag
 (``message_tag``: per step, micro-batch and direction, below ``2**32``), in the order
-fixed up front by the pure schedule (``netdist.parallel.schedule``). Sends are posted as
-background tasks so a stage keeps computing while its bytes travel; receives block, and
-every wait is bounded by ``timeout``.
+fixed up front by the pure schedule (``netdist.parallel.schedule``) and executed through
+its ``dispatch``. Sends run as tasks of a ``TaskGroup`` that lives for one step, so a
+stage keeps computing while its bytes travel and no send outlives the step; receives
+block, and every wait is bounded by ``timeout``.
 
 Gradients accumulate over the micro-batches; micro-batch ``i`` of ``n_i`` rows weighs its
 loss by ``n_i / B``, so the accumulated gradient is exactly the gradient of the full
@@ -22,7 +23,8 @@ every other replica, in one flat bucket per dtype, through a ``Group.new_group``
 
 Failure: a timeout or a lost peer raises the transport's own exception
 (``NetdistTimeoutError`` / ``PeerLostError``, naming the peer rank) with a note saying
-which stage, step and action was running; pending sends are cancelled. A stage that
+which stage, step and action was running (a failed send raises its own exception, not
+an ``ExceptionGroup``); pending sends are cancelled. A stage that
 fails stops talking, so its neighbours fail in turn (lost peer when its process exits,
 timeout otherwise): no rank waits forever.
 
@@ -43,9 +45,10 @@ data-parallel all-reduce averages bfloat16 gradients as torch rounds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -54,9 +57,9 @@ from netdist.errors import PipelineError
 from netdist.parallel.schedule import (
     TAG_BASE,
     Action,
-    ActionKind,
     Direction,
     build_schedule,
+    dispatch,
     message_tag,
 )
 from netdist.parallel.stages import (
@@ -87,9 +90,6 @@ __all__ = [
 LossFn = Callable[[Any, Any], tuple[Any, Any]]
 """``loss_fn(prediction, target) -> (mean loss over the micro-batch, d loss / d prediction)``
 (arrays, or tensors on a stage of tensors; the loss anything ``float()`` takes)."""
-
-_SCHEDULE_IDS = {"gpipe": 1, "1f1b": 2}
-
 
 @dataclass(frozen=True, slots=True)
 class PipelineStepStats:
@@ -293,7 +293,7 @@ class PipelineParallel:
 
     def _fingerprint(self) -> np.ndarray:
         c = self.config
-        return np.array([c.num_stages, c.num_micro_batches, _SCHEDULE_IDS[c.schedule],
+        return np.array([c.num_stages, c.num_micro_batches, c.schedule_kind.wire_id,
                          c.data_parallel_size, self.stage, self.replica], dtype=np.int64)
 
     async def validate(self) -> None:
@@ -305,31 +305,33 @@ class PipelineParallel:
         """
         tag = self.tag_base - 1
         mine = self._fingerprint()
-        peers = [r for r in (self.prev_rank, self.next_rank) if r is not None]
-        sends = [asyncio.ensure_future(self.transport.send(peer, mine, tag=tag,
-                                                           timeout=self.timeout))
-                 for peer in peers]
+        neighbours = [(peer, offset) for peer, offset in ((self.prev_rank, -1),
+                                                          (self.next_rank, +1))
+                      if peer is not None]
         try:
-            for peer, offset in ((self.prev_rank, -1), (self.next_rank, +1)):
-                if peer is None:
-                    continue
-                theirs = await self.transport.recv(peer, tag=tag, timeout=self.timeout)
-                expected = mine.copy()
-                expected[4] = self.stage + offset
-                if theirs.shape != expected.shape or not np.array_equal(theirs, expected):
-                    raise PipelineError(
-                        f"pipeline configuration mismatch between rank {self.rank} (stage "
-                        f"{self.stage}) and rank {peer}: expected [stages, micro_batches, "
-                        f"schedule, replicas, stage, replica] = {expected.tolist()}, got "
-                        f"{np.asarray(theirs).tolist()}")
-            await asyncio.gather(*sends)
+            async with _background_sends() as sends:
+                for peer, _ in neighbours:
+                    sends.create_task(self.transport.send(peer, mine, tag=tag,
+                                                          timeout=self.timeout))
+                for peer, offset in neighbours:
+                    theirs = await self.transport.recv(peer, tag=tag, timeout=self.timeout)
+                    self._check_fingerprint(peer, offset, mine, theirs)
         except Exception as exc:
             exc.add_note(f"pipeline rank {self.rank} (stage {self.stage}, replica "
                          f"{self.replica}): configuration handshake with its neighbours")
             raise
-        finally:
-            await _cancel_all(sends)
         self._validated = True
+
+    def _check_fingerprint(self, peer: int, offset: int, mine: np.ndarray,
+                           theirs: np.ndarray) -> None:
+        expected = mine.copy()
+        expected[4] = self.stage + offset
+        if theirs.shape != expected.shape or not np.array_equal(theirs, expected):
+            raise PipelineError(
+                f"pipeline configuration mismatch between rank {self.rank} (stage "
+                f"{self.stage}) and rank {peer}: expected [stages, micro_batches, "
+                f"schedule, replicas, stage, replica] = {expected.tolist()}, got "
+                f"{np.asarray(theirs).tolist()}")
 
     # -- one mini-batch ----------------------------------------------------------------
 
@@ -397,106 +399,27 @@ class PipelineParallel:
     async def _run_schedule(self, micro_inputs: list[np.ndarray] | None,
                             micro_targets: list[np.ndarray] | None,
                             stats: _StepCounters) -> float | None:
-        m = self.config.num_micro_batches
-        step = self.step_count
-        transport, timeout = self.transport, self.timeout
-        batch_rows = (sum(len(t) for t in micro_targets) if micro_targets is not None else 0)
-        received: dict[int, np.ndarray] = {}      # micro-batch -> incoming activation / grad
-        outputs: dict[int, np.ndarray] = {}       # micro-batch -> activation or grad to send
-        stash: dict[int, tuple[Any, int]] = {}    # micro-batch -> (ctx, bytes)
-        loss_grads: dict[int, np.ndarray] = {}
-        stash_bytes = 0
-        loss_total = 0.0
-        sends: list[asyncio.Future[None]] = []
-
-        def check_sends() -> None:
-            for task in sends:
-                error = task.exception() if task.done() and not task.cancelled() else None
-                if error is not None:
-                    raise error
-
+        """Execute this stage's schedule for one mini-batch (``dispatch`` to a
+        ``_StepRun``); on failure, note where on the exception and cancel the sends."""
         action: Action | None = None
         try:
-            for action in self.schedule:
-                mb = action.micro_batch
-                kind = action.kind
-                if kind is ActionKind.RECV_ACTIVATION or kind is ActionKind.RECV_GRAD:
-                    check_sends()
-                    if kind is ActionKind.RECV_ACTIVATION:
-                        peer, direction = self._peer(self.prev_rank), Direction.ACTIVATION
-                    else:
-                        peer, direction = self._peer(self.next_rank), Direction.GRAD
-                    tag = message_tag(step, mb, direction, m, base=self.tag_base)
-                    data = await transport.recv(peer, tag=tag, timeout=timeout)
-                    stats.bytes_received += data.nbytes
-                    received[mb] = data
-                elif kind is ActionKind.SEND_ACTIVATION or kind is ActionKind.SEND_GRAD:
-                    if kind is ActionKind.SEND_ACTIVATION:
-                        peer, direction = self._peer(self.next_rank), Direction.ACTIVATION
-                    else:
-                        peer, direction = self._peer(self.prev_rank), Direction.GRAD
-                    tag = message_tag(step, mb, direction, m, base=self.tag_base)
-                    payload = np.ascontiguousarray(outputs.pop(mb))
-                    stats.bytes_sent += payload.nbytes
-                    sends.append(asyncio.ensure_future(
-                        transport.send(peer, payload, tag=tag, timeout=timeout)))
-                    # let the send hand its bytes to the socket before the next compute
-                    # holds the loop (forward/backward run synchronously)
-                    await asyncio.sleep(0)
-                elif kind is ActionKind.FORWARD:
-                    x = self._for_layers(micro_inputs[mb] if micro_inputs is not None
-                                         else received.pop(mb))
-                    target = (self._for_layers(micro_targets[mb])
-                              if micro_targets is not None else None)
-                    t0 = time.perf_counter()
-                    if self.offload_compute:
-                        y, ctx, loss, grad = await asyncio.to_thread(self._forward, mb, x,
-                                                                     target)
-                    else:
-                        y, ctx, loss, grad = self._forward(mb, x, target)
-                    stats.forward += time.perf_counter() - t0
-                    if target is not None:
-                        if grad is None:
-                            raise PipelineError(f"micro-batch {mb}: the last stage computed "
-                                                "a loss but no loss gradient")
-                        weight = len(target) / batch_rows
-                        loss_total += weight * loss
-                        loss_grads[mb] = _weighted(grad, weight)
-                    else:
-                        outputs[mb] = y
-                    nbytes = stash_nbytes(ctx)
-                    stash[mb] = (ctx, nbytes)
-                    stash_bytes += nbytes
-                    stats.peak_stashed = max(stats.peak_stashed, len(stash))
-                    stats.peak_bytes = max(stats.peak_bytes, stash_bytes)
-                elif kind is ActionKind.BACKWARD:
-                    ctx, nbytes = stash.pop(mb)
-                    grad_out = self._for_layers(loss_grads.pop(mb) if self.is_last
-                                                else received.pop(mb))
-                    t0 = time.perf_counter()
-                    if self.offload_compute:
-                        grad_in = await asyncio.to_thread(self.module.backward, ctx, grad_out)
-                    else:
-                        grad_in = self.module.backward(ctx, grad_out)
-                    stats.backward += time.perf_counter() - t0
-                    del ctx
-                    stash_bytes -= nbytes
-                    if not self.is_first:
-                        outputs[mb] = array_of(grad_in, f"micro-batch {mb} input gradient")
-                else:  # pragma: no cover - the enum is closed
-                    raise PipelineError(f"unknown pipeline action {action}")
-            action = None
-            if sends:
-                await asyncio.gather(*sends)
+            async with _background_sends() as sends:
+                run = _StepRun(self, self.step_count, micro_inputs, micro_targets, stats,
+                               sends)
+                for action in self.schedule:
+                    await dispatch(action, run)
+                action = None
         except BaseException as exc:
             where = f"during {action}" if action is not None else "completing sends"
             if isinstance(exc, Exception):
                 exc.add_note(f"pipeline rank {self.rank} (stage {self.stage}, replica "
-                             f"{self.replica}), step {step}, {where}")
+                             f"{self.replica}), step {self.step_count}, {where}")
             raise
-        finally:
-            await _cancel_all(sends)
-        return loss_total if self.is_last else None
+        return run.loss_total if self.is_last else None
+
+    def _neighbour(self, offset: int) -> int:
+        """The rank of stage ``stage + offset`` (-1: previous, +1: next) in this replica."""
+        return self._peer(self.prev_rank if offset < 0 else self.next_rank)
 
     def _peer(self, rank: int | None) -> int:
         """``prev_rank`` / ``next_rank`` where the schedule needs it (None would be a bug)."""
@@ -571,8 +494,7 @@ class PipelineParallel:
         if self.is_first and micro is None:
             raise PipelineError(f"rank {self.rank} holds the first stage: pass inputs")
         outputs = []
-        sends: list[asyncio.Future[None]] = []
-        try:
+        async with _background_sends() as sends:
             for mb in range(m):
                 tag = message_tag(step, mb, Direction.ACTIVATION, m, base=self.tag_base)
                 if micro is not None:
@@ -585,12 +507,9 @@ class PipelineParallel:
                 if self.is_last:
                     outputs.append(y)
                 else:
-                    sends.append(asyncio.ensure_future(self.transport.send(
+                    sends.create_task(self.transport.send(
                         self._peer(self.next_rank), np.ascontiguousarray(y), tag=tag,
-                        timeout=self.timeout)))
-            await asyncio.gather(*sends)
-        finally:
-            await _cancel_all(sends)
+                        timeout=self.timeout))
         if not self.is_last:
             return None
         output = np.concatenate(outputs)
@@ -617,16 +536,118 @@ def _weighted(grad: np.ndarray, weight: float) -> np.ndarray:
     return grad * weight
 
 
-async def _cancel_all(tasks: Iterable[asyncio.Future[Any]]) -> None:
-    """Cancel unfinished tasks and wait for them, so nothing outlives the step."""
-    pending = [t for t in tasks if not t.done()]
-    for task in pending:
-        task.cancel()
-    if pending:
-        await asyncio.gather(*pending, return_exceptions=True)
-    for task in tasks:  # retrieve exceptions so none is reported as never retrieved
-        if task.done() and not task.cancelled():
-            task.exception()
+@dataclass(slots=True, eq=False)
+class _StepRun:
+    """One mini-batch on one stage: the runtime's ``ActionExecutor`` (see
+    ``netdist.parallel.schedule.dispatch``). Holds what travels between actions."""
+
+    pipe: PipelineParallel
+    step: int
+    micro_inputs: list[np.ndarray] | None
+    micro_targets: list[np.ndarray] | None
+    stats: _StepCounters
+    sends: asyncio.TaskGroup
+    received: dict[int, np.ndarray] = field(default_factory=dict)  # incoming act. / grad
+    outputs: dict[int, np.ndarray] = field(default_factory=dict)   # activation / grad to send
+    stash: dict[int, tuple[Any, int]] = field(default_factory=dict)  # (ctx, bytes)
+    loss_grads: dict[int, np.ndarray] = field(default_factory=dict)
+    stash_bytes: int = 0
+    loss_total: float = 0.0
+    batch_rows: int = 0                    # rows of this replica's mini-batch (last stage)
+
+    def __post_init__(self) -> None:
+        targets = self.micro_targets
+        self.batch_rows = sum(len(t) for t in targets) if targets is not None else 0
+
+    def _tag(self, action: Action, direction: Direction) -> int:
+        m = self.pipe.config.num_micro_batches
+        return message_tag(self.step, action.micro_batch, direction, m,
+                           base=self.pipe.tag_base)
+
+    async def recv(self, action: Action, direction: Direction, offset: int) -> None:
+        pipe = self.pipe
+        data = await pipe.transport.recv(pipe._neighbour(offset),
+                                         tag=self._tag(action, direction),
+                                         timeout=pipe.timeout)
+        self.stats.bytes_received += data.nbytes
+        self.received[action.micro_batch] = data
+
+    async def send(self, action: Action, direction: Direction, offset: int) -> None:
+        pipe = self.pipe
+        peer, tag = pipe._neighbour(offset), self._tag(action, direction)
+        payload = np.ascontiguousarray(self.outputs.pop(action.micro_batch))
+        self.stats.bytes_sent += payload.nbytes
+        self.sends.create_task(pipe.transport.send(peer, payload, tag=tag,
+                                                   timeout=pipe.timeout))
+        # let the send hand its bytes to the socket before the next compute holds the
+        # loop (forward/backward run synchronously)
+        await asyncio.sleep(0)
+
+    async def forward(self, action: Action) -> None:
+        pipe, mb, stats = self.pipe, action.micro_batch, self.stats
+        x = pipe._for_layers(self.micro_inputs[mb] if self.micro_inputs is not None
+                             else self.received.pop(mb))
+        target = (pipe._for_layers(self.micro_targets[mb])
+                  if self.micro_targets is not None else None)
+        t0 = time.perf_counter()
+        if pipe.offload_compute:
+            y, ctx, loss, grad = await asyncio.to_thread(pipe._forward, mb, x, target)
+        else:
+            y, ctx, loss, grad = pipe._forward(mb, x, target)
+        stats.forward += time.perf_counter() - t0
+        if target is not None:
+            if grad is None:
+                raise PipelineError(f"micro-batch {mb}: the last stage computed "
+                                    "a loss but no loss gradient")
+            weight = len(target) / self.batch_rows
+            self.loss_total += weight * loss
+            self.loss_grads[mb] = _weighted(grad, weight)
+        else:
+            self.outputs[mb] = y
+        nbytes = stash_nbytes(ctx)
+        self.stash[mb] = (ctx, nbytes)
+        self.stash_bytes += nbytes
+        stats.peak_stashed = max(stats.peak_stashed, len(self.stash))
+        stats.peak_bytes = max(stats.peak_bytes, self.stash_bytes)
+
+    async def backward(self, action: Action) -> None:
+        pipe, mb = self.pipe, action.micro_batch
+        ctx, nbytes = self.stash.pop(mb)
+        grad_out = pipe._for_layers(self.loss_grads.pop(mb) if pipe.is_last
+                                    else self.received.pop(mb))
+        t0 = time.perf_counter()
+        if pipe.offload_compute:
+            grad_in = await asyncio.to_thread(pipe.module.backward, ctx, grad_out)
+        else:
+            grad_in = pipe.module.backward(ctx, grad_out)
+        self.stats.backward += time.perf_counter() - t0
+        del ctx
+        self.stash_bytes -= nbytes
+        if not pipe.is_first:
+            self.outputs[mb] = array_of(grad_in, f"micro-batch {mb} input gradient")
+
+
+@contextlib.asynccontextmanager
+async def _background_sends() -> AsyncIterator[asyncio.TaskGroup]:
+    """A ``TaskGroup`` for sends that run while the stage goes on: leaving it waits for
+    every send; a failure (of a send, or of the body) cancels the others and is raised
+    as itself rather than wrapped in an ``ExceptionGroup``, so callers catch the
+    transport's own ``PeerLostError`` / ``NetdistTimeoutError``."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            yield group
+    except BaseExceptionGroup as failed:
+        raise _first_error(failed) from None
+
+
+def _first_error(group: BaseExceptionGroup[Any]) -> BaseException:
+    """The first failure in ``group`` that is not a cancellation (else the first)."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first_error(exc)
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return group.exceptions[0]
 
 
 def measure_layer_costs(layers: Sequence[Any], sample: np.ndarray, *,

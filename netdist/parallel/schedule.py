@@ -24,7 +24,13 @@ Schedules, for ``p`` stages and ``m`` micro-batches, stage ``s``:
   stashes at most ``min(p - s, m) <= p`` micro-batches, independent of ``m``.
 
 Both have the same bubble: ``(p - 1) / (m + p - 1)`` of each stage's time when forward and
-backward costs are equal across stages (``theoretical_bubble_fraction``).
+backward costs are equal across stages (``theoretical_bubble_fraction``). ``ScheduleKind``
+is the one list of schedule names (configuration, the CLI and the wire fingerprint use it).
+
+Executing an action is one switch, ``dispatch``: it hands each ``Action`` to an
+``ActionExecutor`` (``recv``/``send`` with the message's direction and peer offset,
+``forward``, ``backward``). The runtime's executor moves bytes and computes; ``simulate``'s
+advances clocks and checks the schedule, by the same table.
 
 Nothing here imports ``asyncio`` or ``socket``.
 """
@@ -32,15 +38,19 @@ Nothing here imports ``asyncio`` or ``socket``.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar, cast
 
-from netdist.errors import PipelineError
+from netdist.errors import ConfigError, PipelineError
 
 __all__ = [
+    "ScheduleKind",
     "ActionKind",
     "Action",
     "Direction",
+    "ActionExecutor",
+    "dispatch",
     "StageSchedule",
     "PipelineSchedule",
     "gpipe_schedule",
@@ -53,6 +63,43 @@ __all__ = [
     "TAG_BASE",
     "TAG_STEP_WINDOW",
 ]
+
+
+T_co = TypeVar("T_co", covariant=True)
+T = TypeVar("T")
+
+
+class ScheduleKind(enum.StrEnum):
+    """The pipeline schedules, by the name configuration and the CLI use."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+    @classmethod
+    def parse(cls, value: ScheduleKind | str) -> ScheduleKind:
+        """A member, or its name in any case, with ``-`` and ``_`` ignored (``"1F-1B"``).
+
+        ``TypeError`` for a non-string, ``ConfigError`` (a ``ValueError``) naming the
+        choices for an unknown name.
+        """
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, str):
+            raise TypeError(f"schedule must be a str, got {type(value).__name__}")
+        normalised = value.strip().lower().replace("-", "").replace("_", "")
+        for member in cls:
+            if normalised == member.value:
+                return member
+        raise ConfigError(f"unknown pipeline schedule {value!r}; expected one of "
+                          f"{tuple(m.value for m in cls)}")
+
+    @property
+    def wire_id(self) -> int:
+        """The number neighbours compare in their configuration handshake."""
+        return _WIRE_IDS[self]
+
+
+_WIRE_IDS = {ScheduleKind.GPIPE: 1, ScheduleKind.ONE_F_ONE_B: 2}
 
 
 class ActionKind(enum.Enum):
@@ -89,6 +136,35 @@ class Action:
         }[self.kind]
         peer = "" if self.peer is None else f"@{self.peer}"
         return f"{short}{self.micro_batch}{peer}"
+
+
+class ActionExecutor(Protocol[T_co]):
+    """What runs a stage's actions: the runtime (coroutines) or ``simulate`` (whether the
+    action ran or is blocked). ``offset`` is the peer stage minus this stage (-1 or +1)."""
+
+    def recv(self, action: Action, direction: Direction, offset: int) -> T_co: ...
+
+    def send(self, action: Action, direction: Direction, offset: int) -> T_co: ...
+
+    def forward(self, action: Action) -> T_co: ...
+
+    def backward(self, action: Action) -> T_co: ...
+
+
+_DISPATCH: dict[ActionKind, Callable[[ActionExecutor[Any], Action], Any]] = {
+    ActionKind.FORWARD: lambda run, a: run.forward(a),
+    ActionKind.BACKWARD: lambda run, a: run.backward(a),
+    ActionKind.RECV_ACTIVATION: lambda run, a: run.recv(a, Direction.ACTIVATION, -1),
+    ActionKind.RECV_GRAD: lambda run, a: run.recv(a, Direction.GRAD, +1),
+    ActionKind.SEND_ACTIVATION: lambda run, a: run.send(a, Direction.ACTIVATION, +1),
+    ActionKind.SEND_GRAD: lambda run, a: run.send(a, Direction.GRAD, -1),
+}
+
+
+def dispatch(action: Action, executor: ActionExecutor[T]) -> T:
+    """Hand ``action`` to the ``executor`` method for its kind: activations come from
+    stage ``s - 1`` and go to ``s + 1``, gradients the other way."""
+    return cast(T, _DISPATCH[action.kind](executor, action))
 
 
 StageSchedule = tuple[Action, ...]
@@ -161,18 +237,13 @@ def one_f_one_b_schedule(num_stages: int, num_micro_batches: int) -> PipelineSch
     return tuple(schedule)
 
 
-_BUILDERS = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
+_BUILDERS = {ScheduleKind.GPIPE: gpipe_schedule, ScheduleKind.ONE_F_ONE_B: one_f_one_b_schedule}
 
 
-def build_schedule(kind: str, num_stages: int, num_micro_batches: int) -> PipelineSchedule:
-    """The schedule named ``kind`` (``"gpipe"`` or ``"1f1b"``)."""
-    try:
-        builder = _BUILDERS[kind]
-    except KeyError:
-        raise ValueError(
-            f"unknown pipeline schedule {kind!r}; expected one of {tuple(_BUILDERS)}"
-        ) from None
-    return builder(num_stages, num_micro_batches)
+def build_schedule(kind: ScheduleKind | str, num_stages: int, num_micro_batches: int
+                   ) -> PipelineSchedule:
+    """The schedule ``kind`` (a ``ScheduleKind`` or its name, ``"gpipe"`` / ``"1f1b"``)."""
+    return _BUILDERS[ScheduleKind.parse(kind)](num_stages, num_micro_batches)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,113 +284,148 @@ def simulate(schedule: Sequence[Sequence[Action]], *, forward_cost: float = 1.0,
     A discrete-event clock per stage gives the makespan and the bubble for the given
     costs: a message sent at time ``t`` can be received at ``t + comm_cost``.
     """
-    p = len(schedule)
-    if p < 1:
+    if len(schedule) < 1:
         raise ValueError("schedule must have at least one stage")
-    cursor = [0] * p
-    clock = [0.0] * p
-    busy = [0.0] * p
-    stashed: list[set[int]] = [set() for _ in range(p)]
-    peak = [0] * p
-    forwarded: list[set[int]] = [set() for _ in range(p)]
-    backwarded: list[set[int]] = [set() for _ in range(p)]
-    # in flight: (src, dst, direction, micro_batch) -> arrival time
-    in_flight: dict[tuple[int, int, Direction, int], float] = {}
-    delivered: set[tuple[int, int, Direction, int]] = set()
-    messages = 0
+    sim = _Simulation(schedule, forward_cost, backward_cost, comm_cost)
+    sim.run()
+    return sim.result()
 
-    def fail(stage: int, action: Action, why: str) -> PipelineError:
-        return PipelineError(f"stage {stage}, action {cursor[stage]} ({action}): {why}")
 
-    def expect_neighbour(stage: int, action: Action, offset: int) -> int:
-        peer = action.peer
-        if peer != stage + offset or not 0 <= peer < p:
-            raise fail(stage, action, f"peer must be stage {stage + offset}, got {peer}")
+_Message = tuple[int, int, Direction, int]
+"""``(src, dst, direction, micro_batch)``."""
+
+_SENT_BEFORE = {Direction.ACTIVATION: "activation sent before its forward",
+                Direction.GRAD: "gradient sent before its backward"}
+
+
+@dataclass(slots=True)
+class _Simulation:
+    """``simulate``'s state: the ``ActionExecutor`` whose methods say whether the action
+    of stage ``stage`` ran (True) or is blocked on a message (False)."""
+
+    schedule: Sequence[Sequence[Action]]
+    forward_cost: float
+    backward_cost: float
+    comm_cost: float
+    stage: int = 0
+    messages: int = 0
+    cursor: list[int] = field(default_factory=list)
+    clock: list[float] = field(default_factory=list)
+    busy: list[float] = field(default_factory=list)
+    peak: list[int] = field(default_factory=list)
+    stashed: list[set[int]] = field(default_factory=list)
+    forwarded: list[set[int]] = field(default_factory=list)
+    backwarded: list[set[int]] = field(default_factory=list)
+    in_flight: dict[_Message, float] = field(default_factory=dict)   # -> arrival time
+    delivered: set[_Message] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        p = len(self.schedule)
+        self.cursor, self.clock, self.busy, self.peak = [0] * p, [0.0] * p, [0.0] * p, [0] * p
+        self.stashed = [set() for _ in range(p)]
+        self.forwarded = [set() for _ in range(p)]
+        self.backwarded = [set() for _ in range(p)]
+
+    def run(self) -> None:
+        """Advance every stage as far as it goes, round robin, until none can."""
+        progressed = True
+        while progressed:
+            progressed = False
+            for stage, actions in enumerate(self.schedule):
+                self.stage = stage
+                while self.cursor[stage] < len(actions):
+                    if not dispatch(actions[self.cursor[stage]], self):
+                        break  # blocked: try the other stages
+                    self.cursor[stage] += 1
+                    progressed = True
+
+    def _fail(self, action: Action, why: str) -> PipelineError:
+        return PipelineError(f"stage {self.stage}, action {self.cursor[self.stage]} "
+                             f"({action}): {why}")
+
+    def _neighbour(self, action: Action, offset: int) -> int:
+        stage, peer = self.stage, action.peer
+        if peer != stage + offset or not 0 <= peer < len(self.schedule):
+            raise self._fail(action, f"peer must be stage {stage + offset}, got {peer}")
         return peer
 
-    progressed = True
-    while progressed:
-        progressed = False
-        for stage in range(p):
-            actions = schedule[stage]
-            while cursor[stage] < len(actions):
-                action = actions[cursor[stage]]
-                mb = action.micro_batch
-                kind = action.kind
-                if kind in (ActionKind.RECV_ACTIVATION, ActionKind.RECV_GRAD):
-                    if kind is ActionKind.RECV_ACTIVATION:
-                        key = (expect_neighbour(stage, action, -1), stage,
-                               Direction.ACTIVATION, mb)
-                    else:
-                        key = (expect_neighbour(stage, action, +1), stage, Direction.GRAD, mb)
-                    if key not in in_flight:
-                        if key in delivered:
-                            raise fail(stage, action, "message already received once")
-                        break  # blocked: try the other stages
-                    clock[stage] = max(clock[stage], in_flight.pop(key))
-                    delivered.add(key)
-                elif kind in (ActionKind.SEND_ACTIVATION, ActionKind.SEND_GRAD):
-                    if kind is ActionKind.SEND_ACTIVATION:
-                        if mb not in forwarded[stage]:
-                            raise fail(stage, action, "activation sent before its forward")
-                        key = (stage, expect_neighbour(stage, action, +1),
-                               Direction.ACTIVATION, mb)
-                    else:
-                        if mb not in backwarded[stage]:
-                            raise fail(stage, action, "gradient sent before its backward")
-                        key = (stage, expect_neighbour(stage, action, -1), Direction.GRAD, mb)
-                    if key in in_flight or key in delivered:
-                        raise fail(stage, action, "message sent twice")
-                    in_flight[key] = clock[stage] + comm_cost
-                    messages += 1
-                elif kind is ActionKind.FORWARD:
-                    if mb in forwarded[stage]:
-                        raise fail(stage, action, "forward run twice")
-                    if stage > 0 and (stage - 1, stage, Direction.ACTIVATION, mb) not in delivered:
-                        raise fail(stage, action, "forward before its activation arrived")
-                    forwarded[stage].add(mb)
-                    stashed[stage].add(mb)
-                    peak[stage] = max(peak[stage], len(stashed[stage]))
-                    clock[stage] += forward_cost
-                    busy[stage] += forward_cost
-                elif kind is ActionKind.BACKWARD:
-                    if mb not in stashed[stage]:
-                        raise fail(stage, action, "backward without a stashed forward")
-                    if stage < p - 1 and (stage + 1, stage, Direction.GRAD, mb) not in delivered:
-                        raise fail(stage, action, "backward before its gradient arrived")
-                    stashed[stage].discard(mb)
-                    backwarded[stage].add(mb)
-                    clock[stage] += backward_cost
-                    busy[stage] += backward_cost
-                else:  # pragma: no cover - enum is closed
-                    raise fail(stage, action, f"unknown action kind {kind}")
-                cursor[stage] += 1
-                progressed = True
+    def recv(self, action: Action, direction: Direction, offset: int) -> bool:
+        stage = self.stage
+        key = (self._neighbour(action, offset), stage, direction, action.micro_batch)
+        if key not in self.in_flight:
+            if key in self.delivered:
+                raise self._fail(action, "message already received once")
+            return False
+        self.clock[stage] = max(self.clock[stage], self.in_flight.pop(key))
+        self.delivered.add(key)
+        return True
 
-    stuck = [s for s in range(p) if cursor[s] < len(schedule[s])]
-    if stuck:
-        waits = ", ".join(f"stage {s} waits at action {cursor[s]} ({schedule[s][cursor[s]]})"
-                          for s in stuck)
-        raise PipelineError(f"pipeline schedule deadlocks: {waits}")
-    if in_flight:
-        unmatched = ", ".join(f"{d.name.lower()} {mb} from stage {src} to {dst}"
-                              for (src, dst, d, mb) in sorted(in_flight))
-        raise PipelineError(f"sends never received: {unmatched}")
-    micro_batches = set().union(*forwarded) | set().union(*backwarded)
-    for stage in range(p):
-        if forwarded[stage] != micro_batches or backwarded[stage] != micro_batches:
-            raise PipelineError(
-                f"stage {stage} ran forwards {sorted(forwarded[stage])} and backwards "
-                f"{sorted(backwarded[stage])}, expected each of {sorted(micro_batches)} once")
-        if stashed[stage]:  # pragma: no cover - implied by the check above
-            raise PipelineError(f"stage {stage} ends holding {sorted(stashed[stage])}")
-    return SimulationResult(
-        makespan=max(clock) if clock else 0.0,
-        busy=tuple(busy),
-        finish=tuple(clock),
-        peak_stashed=tuple(peak),
-        messages=messages,
-    )
+    def send(self, action: Action, direction: Direction, offset: int) -> bool:
+        stage, mb = self.stage, action.micro_batch
+        done = self.forwarded if direction is Direction.ACTIVATION else self.backwarded
+        if mb not in done[stage]:
+            raise self._fail(action, _SENT_BEFORE[direction])
+        key = (stage, self._neighbour(action, offset), direction, mb)
+        if key in self.in_flight or key in self.delivered:
+            raise self._fail(action, "message sent twice")
+        self.in_flight[key] = self.clock[stage] + self.comm_cost
+        self.messages += 1
+        return True
+
+    def forward(self, action: Action) -> bool:
+        stage, mb = self.stage, action.micro_batch
+        if mb in self.forwarded[stage]:
+            raise self._fail(action, "forward run twice")
+        if stage > 0 and (stage - 1, stage, Direction.ACTIVATION, mb) not in self.delivered:
+            raise self._fail(action, "forward before its activation arrived")
+        self.forwarded[stage].add(mb)
+        self.stashed[stage].add(mb)
+        self.peak[stage] = max(self.peak[stage], len(self.stashed[stage]))
+        self.clock[stage] += self.forward_cost
+        self.busy[stage] += self.forward_cost
+        return True
+
+    def backward(self, action: Action) -> bool:
+        stage, mb = self.stage, action.micro_batch
+        if mb not in self.stashed[stage]:
+            raise self._fail(action, "backward without a stashed forward")
+        last = len(self.schedule) - 1
+        if stage < last and (stage + 1, stage, Direction.GRAD, mb) not in self.delivered:
+            raise self._fail(action, "backward before its gradient arrived")
+        self.stashed[stage].discard(mb)
+        self.backwarded[stage].add(mb)
+        self.clock[stage] += self.backward_cost
+        self.busy[stage] += self.backward_cost
+        return True
+
+    def result(self) -> SimulationResult:
+        """The figures, after checking that the run completed and matched every send."""
+        schedule, cursor = self.schedule, self.cursor
+        stuck = [s for s in range(len(schedule)) if cursor[s] < len(schedule[s])]
+        if stuck:
+            waits = ", ".join(f"stage {s} waits at action {cursor[s]} ({schedule[s][cursor[s]]})"
+                              for s in stuck)
+            raise PipelineError(f"pipeline schedule deadlocks: {waits}")
+        if self.in_flight:
+            unmatched = ", ".join(f"{d.name.lower()} {mb} from stage {src} to {dst}"
+                                  for (src, dst, d, mb) in sorted(self.in_flight))
+            raise PipelineError(f"sends never received: {unmatched}")
+        micro_batches = set().union(*self.forwarded) | set().union(*self.backwarded)
+        for stage in range(len(schedule)):
+            forwarded, backwarded = self.forwarded[stage], self.backwarded[stage]
+            if forwarded != micro_batches or backwarded != micro_batches:
+                raise PipelineError(
+                    f"stage {stage} ran forwards {sorted(forwarded)} and backwards "
+                    f"{sorted(backwarded)}, expected each of {sorted(micro_batches)} once")
+            if self.stashed[stage]:  # pragma: no cover - implied by the check above
+                raise PipelineError(f"stage {stage} ends holding {sorted(self.stashed[stage])}")
+        return SimulationResult(
+            makespan=max(self.clock) if self.clock else 0.0,
+            busy=tuple(self.busy),
+            finish=tuple(self.clock),
+            peak_stashed=tuple(self.peak),
+            messages=self.messages,
+        )
 
 
 def theoretical_bubble_fraction(num_stages: int, num_micro_batches: int) -> float:

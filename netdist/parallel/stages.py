@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from netdist.errors import PipelineError
+from netdist.parallel.schedule import ScheduleKind
 from netdist.sharding import chunk_bounds
 
 __all__ = [
@@ -48,8 +49,8 @@ __all__ = [
     "micro_batch_bounds",
 ]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
-"""Names accepted by ``PipelineParallelConfig.schedule``."""
+SCHEDULES: tuple[str, ...] = tuple(kind.value for kind in ScheduleKind)
+"""Names accepted by ``PipelineParallelConfig.schedule`` (``ScheduleKind``'s values)."""
 
 
 def _check_int(value: Any, what: str, minimum: int) -> int:
@@ -109,28 +110,28 @@ class PipelineParallelConfig:
     - ``num_stages`` (p): ranks per pipeline replica, one stage each.
     - ``num_micro_batches`` (m): micro-batches per mini-batch; more shrinks the bubble,
       ``(p - 1) / (m + p - 1)`` of each stage's time.
-    - ``schedule``: ``"gpipe"`` (all forwards, then all backwards; every stage stashes
-      ``m`` micro-batches' activations) or ``"1f1b"`` (warm-up, one forward one backward,
-      cool-down; at most ``p - stage`` stashed).
+    - ``schedule``: a ``ScheduleKind`` or its name: ``"gpipe"`` (all forwards, then all
+      backwards; every stage stashes ``m`` micro-batches' activations) or ``"1f1b"``
+      (warm-up, one forward one backward, cool-down; at most ``p - stage`` stashed).
+      Stored as the ``ScheduleKind`` (a ``str``: ``config.schedule == "1f1b"``).
     - ``data_parallel_size``: replicas of the pipeline; world size is ``p * replicas``.
     """
 
     num_stages: int
     num_micro_batches: int
-    schedule: str = "gpipe"
+    schedule: ScheduleKind | str = ScheduleKind.GPIPE
     data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check_int(self.num_stages, "num_stages", 1)
         _check_int(self.num_micro_batches, "num_micro_batches", 1)
         _check_int(self.data_parallel_size, "data_parallel_size", 1)
-        if not isinstance(self.schedule, str):
-            raise TypeError(f"schedule must be a str, got {type(self.schedule).__name__}")
-        normalised = self.schedule.strip().lower().replace("-", "").replace("_", "")
-        if normalised not in SCHEDULES:
-            raise ValueError(
-                f"unknown pipeline schedule {self.schedule!r}; expected one of {SCHEDULES}")
-        object.__setattr__(self, "schedule", normalised)
+        object.__setattr__(self, "schedule", ScheduleKind.parse(self.schedule))
+
+    @property
+    def schedule_kind(self) -> ScheduleKind:
+        """``schedule``, typed (it always holds a ``ScheduleKind`` once built)."""
+        return ScheduleKind.parse(self.schedule)
 
     @property
     def world_size(self) -> int:
@@ -270,7 +271,8 @@ def balance_stages(costs: Sequence[Any], num_stages: int) -> list[PipelineStage]
         current += weight
     stages.append(PipelineStage(start, n, len(stages)))
     if len(stages) != num_stages:  # pragma: no cover - guarded by the feasibility search
-        raise RuntimeError(f"internal error: balanced into {len(stages)} stages")
+        raise PipelineError(f"balance_stages: internal error: cut {len(stages)} stages for "
+                            f"num_stages={num_stages}")
     return stages
 
 

@@ -14,10 +14,9 @@ shares) does not pull in the transport.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-_EXPORTS = {
+_EXPORTS: dict[str, str] = {
     "ProgressThread": "netdist.progress.thread",
     "Job": "netdist.progress.job",
     "connect": "netdist.progress.job",
@@ -29,18 +28,12 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module_name = _EXPORTS.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'netdist.progress' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
-
-
 if TYPE_CHECKING:
     from netdist.progress.handle import Handle
     from netdist.progress.job import Job, connect
     from netdist.progress.proxy import Awaiting, Blocking, unwrap
     from netdist.progress.thread import ProgressThread
+else:
+    from netdist._lazy import attach as _attach
+
+    __getattr__, __dir__ = _attach(__name__, _EXPORTS)

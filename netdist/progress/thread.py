@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from netdist.errors import NetdistTimeoutError, TransportClosedError
+from netdist.errors import BlockingCallError, NetdistTimeoutError, TransportClosedError
 from netdist.progress.loops import LoopFactory, progress_loop_factory
 
 __all__ = ["ProgressThread", "wait_future", "DEFAULT_LINGER"]
@@ -202,14 +202,17 @@ class ProgressThread:
     def close(self, timeout: float = _CLOSE_SECONDS) -> None:
         """Cancel the work still on the loop, let it finish, stop the loop, join the thread.
 
-        Idempotent and safe to call from any thread but the loop's own.
+        Idempotent and safe to call from any thread but the loop's own (there it raises
+        ``BlockingCallError``: it would wait for itself).
         """
         with self._lock:
             if self._closed:
                 return
             thread, loop = self._thread, self._loop
             if thread is not None and self.on_thread():
-                raise RuntimeError(f"{self.name}: close() called from the loop's own thread")
+                raise BlockingCallError(f"{self.name}: close() called from the loop's own "
+                                        "thread would wait for itself; call it from "
+                                        "another thread")
             self._closed = True
         atexit.unregister(self.close)
         if thread is None or loop is None:
@@ -251,12 +254,13 @@ class ProgressThread:
         Drives the loop on the calling thread when it is free; otherwise hands ``coro``
         to the thread running it. ``timeout`` bounds the wait: on expiry the coroutine
         is cancelled and ``NetdistTimeoutError`` raised. An interrupt (Ctrl-C) also
-        cancels it.
+        cancels it. Called from code the loop is running, it raises ``BlockingCallError``
+        (``coro`` is closed unrun): waiting there would deadlock.
         """
         if self.on_thread():
             coro.close()
-            raise RuntimeError(f"{self.name}: run() would block the loop it runs on; "
-                               "await the coroutine there instead")
+            raise BlockingCallError(f"{self.name}: run() would block the loop it runs on; "
+                                    "await the coroutine there instead")
         try:
             loop = self.loop
         except BaseException:

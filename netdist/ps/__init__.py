@@ -8,44 +8,55 @@
 3. The same with ``max_staleness=k`` (bounded staleness) or ``None`` (fully async).
 
 ``ColocatedPS`` runs servers inside training ranks (every rank trains, the first ``S``
-also serve); ``ServerOptimizerAggregator`` / ``demo_update_path`` plug the modes into a
-``distributed_train_step`` loop.
+also serve); ``ServerOptimizerAggregator`` plugs the server-side optimizer into a
+``distributed_train_step`` loop (the demo job's update paths over these modes are
+``netdist.train.ps_paths``).
 
-``netdist.ps.state`` holds the pure planning, optimizer and version-clock logic.
+The PURE logic, one module per job (``netdist.ps.state`` re-exports all of it):
+``placement`` (which server holds which elements), ``messages`` (how an exchange is cut
+into messages), ``shard`` (a server's parameters and optimizer), ``staleness`` (the
+version clock and bounded-staleness rule), ``roles`` (which ranks serve, environment
+knobs) and ``protocol`` (tags and headers). The optimizer configs are
+``netdist.optim``'s, shared with ``netdist.train`` and FSDP.
 
 Every mode takes CPU torch tensors wherever it takes NumPy arrays (``netdist.tensors``),
 and bfloat16 without ``ml_dtypes``: the rank-0 server averages it as torch does, the
 sharded servers keep a float32 master copy (``ServerShard``).
+
+Names resolve lazily (``netdist._lazy``): importing a PURE module such as
+``netdist.ps.state`` does not import the servers and clients, and with them asyncio.
 """
 
-from netdist.ps.adapters import (
-    PS_MAX_STALENESS_ENV,
-    ServerOptimizerAggregator,
-    UpdateHooks,
-    demo_update_path,
-    max_staleness_from_env,
-)
-from netdist.ps.client import PSClient
-from netdist.ps.colocated import ColocatedPS
-from netdist.ps.server import PSServer, ServerReport, serve
-from netdist.ps.state import (
-    DEFAULT_BIGARRAY_BOUND,
-    PS_SERVERS_ENV,
-    AdamConfig,
-    OptimizerConfig,
-    ParamSpec,
-    PSRoles,
-    SGDConfig,
-    ShardOptimizer,
-    ShardPlan,
-    ShardSlice,
-    StalenessController,
-    VersionLogEntry,
-    num_servers_from_env,
-    plan_shards,
-    ps_roles,
-)
-from netdist.ps.sync import ParameterServer
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+_EXPORTS: dict[str, str] = {
+    "ParameterServer": "netdist.ps.sync",
+    "PSServer": "netdist.ps.server",
+    "PSClient": "netdist.ps.client",
+    "ColocatedPS": "netdist.ps.colocated",
+    "ServerOptimizerAggregator": "netdist.ps.adapters",
+    "max_staleness_from_env": "netdist.ps.roles",
+    "PS_MAX_STALENESS_ENV": "netdist.ps.roles",
+    "ServerReport": "netdist.ps.server",
+    "serve": "netdist.ps.server",
+    "SGDConfig": "netdist.optim",
+    "AdamConfig": "netdist.optim",
+    "OptimizerConfig": "netdist.optim",
+    "ParamSpec": "netdist.ps.placement",
+    "ShardSlice": "netdist.ps.placement",
+    "ShardPlan": "netdist.ps.placement",
+    "plan_shards": "netdist.ps.placement",
+    "ShardOptimizer": "netdist.optim",
+    "StalenessController": "netdist.ps.staleness",
+    "VersionLogEntry": "netdist.ps.staleness",
+    "PSRoles": "netdist.ps.roles",
+    "ps_roles": "netdist.ps.roles",
+    "num_servers_from_env": "netdist.ps.roles",
+    "PS_SERVERS_ENV": "netdist.ps.roles",
+    "DEFAULT_BIGARRAY_BOUND": "netdist.ps.placement",
+}
 
 __all__ = [
     "ParameterServer",
@@ -53,8 +64,6 @@ __all__ = [
     "PSClient",
     "ColocatedPS",
     "ServerOptimizerAggregator",
-    "UpdateHooks",
-    "demo_update_path",
     "max_staleness_from_env",
     "PS_MAX_STALENESS_ENV",
     "ServerReport",
@@ -75,3 +84,31 @@ __all__ = [
     "PS_SERVERS_ENV",
     "DEFAULT_BIGARRAY_BOUND",
 ]
+
+if TYPE_CHECKING:
+    from netdist.optim import AdamConfig, OptimizerConfig, SGDConfig, ShardOptimizer
+    from netdist.ps.adapters import ServerOptimizerAggregator
+    from netdist.ps.client import PSClient
+    from netdist.ps.colocated import ColocatedPS
+    from netdist.ps.placement import (
+        DEFAULT_BIGARRAY_BOUND,
+        ParamSpec,
+        ShardPlan,
+        ShardSlice,
+        plan_shards,
+    )
+    from netdist.ps.roles import (
+        PS_MAX_STALENESS_ENV,
+        PS_SERVERS_ENV,
+        PSRoles,
+        max_staleness_from_env,
+        num_servers_from_env,
+        ps_roles,
+    )
+    from netdist.ps.server import PSServer, ServerReport, serve
+    from netdist.ps.staleness import StalenessController, VersionLogEntry
+    from netdist.ps.sync import ParameterServer
+else:
+    from netdist._lazy import attach as _attach
+
+    __getattr__, __dir__ = _attach(__name__, _EXPORTS)

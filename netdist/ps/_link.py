@@ -19,7 +19,7 @@ from typing import Any, Protocol, Self, TypeVar
 import numpy as np
 
 from netdist.errors import NotInGroupError, PeerLostError
-from netdist.ps.state import PSRoles, ps_roles
+from netdist.ps.roles import PSRoles, ps_roles
 from netdist.transport.base import MAX_TAG, Transport, as_payload_array
 from netdist.transport.mailbox import PeerMailbox, byte_view
 

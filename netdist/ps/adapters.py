@@ -1,4 +1,4 @@
-"""Plugging the parameter-server modes into a ``distributed_train_step`` loop.
+"""Plugging the parameter-server modes into a training loop's aggregator slot.
 
 Two shapes of update exist:
 
@@ -10,52 +10,23 @@ Two shapes of update exist:
   (nothing to copy when the adapter was built with ``out=`` the model's own arrays or
   tensors, or ``init``-ed with them).
 
-``demo_update_path(name, group, model, config)`` builds either for the ``netdist demo``
-job (``--aggregator ps | ps-sharded | ps-async``). It only relies on the duck-typed
-surface of the training kit -- ``model.parameters()`` yielding objects with ``.data`` and
-``.grad`` arrays, ``config.lr`` / ``.momentum`` / ``.weight_decay`` / ``.timeout`` -- so
-``netdist.ps`` stays below ``netdist.train`` in the layering. Server counts and the
-staleness bound come from the environment:
-
-- ``NETDIST_PS_SERVERS``: co-located servers for ``ps-sharded`` / ``ps-async``
-  (default ``min(2, world size)``);
-- ``NETDIST_PS_MAX_STALENESS``: the bound for ``ps-async`` (default 2; ``none`` for
-  fully asynchronous).
+The ``netdist demo`` job's update paths over these (``--aggregator ps | ps-sharded |
+ps-async``) are composed in ``netdist.train.ps_paths``: ``netdist.ps`` stays below
+``netdist.train`` in the layering.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-from netdist.errors import ConfigError
-from netdist.ps._link import GroupLike
-from netdist.ps.colocated import ColocatedPS
-from netdist.ps.state import (
-    DEFAULT_BIGARRAY_BOUND,
-    AdamConfig,
-    OptimizerConfig,
-    SGDConfig,
-    ShardOptimizer,
-    num_servers_from_env,
-)
-from netdist.ps.sync import ParameterServer
+from netdist.optim import AdamConfig, OptimizerConfig, SGDConfig
+from netdist.ps.placement import DEFAULT_BIGARRAY_BOUND
 from netdist.tensors import as_array, stage_out
-from netdist.transport.base import Transport
 
-__all__ = [
-    "ServerOptimizerAggregator",
-    "UpdateHooks",
-    "demo_update_path",
-    "PS_MAX_STALENESS_ENV",
-    "max_staleness_from_env",
-]
-
-PS_MAX_STALENESS_ENV = "NETDIST_PS_MAX_STALENESS"
+__all__ = ["ServerOptimizerAggregator"]
 
 
 class _Stepper(Protocol):
@@ -148,97 +119,3 @@ def _copy_into(target: Any, value: Any, what: str) -> None:
     staged = stage_out(target, what)
     np.copyto(staged.array, source)
     staged.finish()
-
-
-@dataclass(frozen=True, slots=True)
-class UpdateHooks:
-    """What a training loop needs from one update mode (the demo's ``UpdatePath`` shape)."""
-
-    aggregator: Any
-    apply: Callable[[list[np.ndarray]], Any]
-    close: Callable[[], Any] | None = None
-    state: Callable[[], dict[str, Any]] | None = None
-
-
-def max_staleness_from_env(environ: Mapping[str, str] | None = None, *,
-                           default: int | None = 2) -> int | None:
-    """Read ``NETDIST_PS_MAX_STALENESS`` (an int >= 0, or ``none``)."""
-    env = os.environ if environ is None else environ
-    text = env.get(PS_MAX_STALENESS_ENV, "").strip().lower()
-    if not text:
-        return default
-    if text in ("none", "inf", "async"):
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(f"{PS_MAX_STALENESS_ENV}={text!r} is not an integer or 'none'") from None
-    if value < 0:
-        raise ConfigError(f"{PS_MAX_STALENESS_ENV} must be >= 0, got {value}")
-    return value
-
-
-def _contiguous_data(model: Any) -> list[Any]:
-    params = list(model.parameters())
-    for p in params:
-        if not (isinstance(p.data, np.ndarray) and p.data.flags.c_contiguous
-                and p.data.flags.writeable):
-            raise ValueError(f"parameter {getattr(p, 'name', '?')!r} must be a C-contiguous, "
-                             "writable numpy array")
-    return params
-
-
-def _sgd_config(config: Any) -> SGDConfig:
-    return SGDConfig(lr=float(config.lr), momentum=float(getattr(config, "momentum", 0.0)),
-                     weight_decay=float(getattr(config, "weight_decay", 0.0)))
-
-
-async def demo_update_path(name: str, group: GroupLike | Transport, model: Any,
-                           config: Any) -> UpdateHooks:
-    """The update path for ``--aggregator name`` (``ps``, ``ps-sharded``, ``ps-async``).
-
-    ``ps``: rank 0 broadcasts its parameters, ``ParameterServer`` averages gradients,
-    every rank applies SGD (torch's rule, as ``netdist.train.SGD``) locally.
-    ``ps-sharded`` / ``ps-async``: ``ColocatedPS`` with SGD on the servers,
-    ``max_staleness`` 0 or ``NETDIST_PS_MAX_STALENESS``.
-    """
-    params = _contiguous_data(model)
-    timeout = getattr(config, "timeout", None)
-    if name == "ps":
-        server = ParameterServer(group, timeout=timeout)
-        await server.broadcast_params([p.data for p in params])
-        optimizers = [ShardOptimizer(_sgd_config(config), p.data.size, p.data.dtype)
-                      for p in params]
-
-        def apply(averaged: list[np.ndarray]) -> None:
-            for p, opt, g in zip(params, optimizers, averaged):
-                opt.step(p.data.reshape(-1), np.ascontiguousarray(g).reshape(-1))
-
-        return UpdateHooks(server, apply, close=server.aclose)
-    if name in ("ps-sharded", "ps-async"):
-        world = len(group.ranks) if hasattr(group, "ranks") else group.world_size
-        servers = num_servers_from_env(world_size=world, colocated=True)
-        staleness = 0 if name == "ps-sharded" else max_staleness_from_env()
-        ps = ColocatedPS(group, num_servers=min(servers, world), timeout=timeout)
-        data = [p.data for p in params]
-        try:
-            initial = await ps.init(data, optimizer=_sgd_config(config),
-                                    max_staleness=staleness)
-        except BaseException as exc:
-            await ps.abort(f"init failed: {exc}")
-            raise
-        for array, value in zip(data, initial):
-            np.copyto(array, value)
-        aggregator = ServerOptimizerAggregator(ps, out=data)
-
-        def copy_params(new_params: list[np.ndarray]) -> None:
-            for p, value in zip(params, new_params):
-                if value is not p.data:
-                    np.copyto(p.data, value)
-
-        async def close() -> None:
-            await ps.close()
-
-        return UpdateHooks(aggregator, copy_params, close=close)
-    raise ConfigError(f"netdist.ps has no update path named {name!r} "
-                      "(choose ps, ps-sharded or ps-async)")

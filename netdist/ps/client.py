@@ -39,6 +39,7 @@ import msgpack
 import numpy as np
 
 from netdist.errors import NetdistError, ParameterServerError, PeerLostError
+from netdist.optim import AdamConfig, OptimizerConfig, SGDConfig
 from netdist.ps._link import GroupLike, Loopback, WorkerSession, open_endpoint, run_all
 from netdist.ps.protocol import (
     NO_STALENESS_BOUND,
@@ -52,17 +53,8 @@ from netdist.ps.protocol import (
     encode_header,
     stream_tag,
 )
-from netdist.ps.state import (
-    DEFAULT_BIGARRAY_BOUND,
-    AdamConfig,
-    OptimizerConfig,
-    Segment,
-    SGDConfig,
-    ShardPlan,
-    plan_segments,
-    plan_shards,
-    specs_from_arrays,
-)
+from netdist.ps.messages import Segment, plan_segments
+from netdist.ps.placement import DEFAULT_BIGARRAY_BOUND, ShardPlan, plan_shards, specs_from_arrays
 from netdist.tensors import StagedOut, as_array, is_tensor, stage_out, to_tensor
 from netdist.transport.base import Transport
 from netdist.types import dtype_from_wire

@@ -16,7 +16,7 @@ a job runs the same training script (``netdist launch``, ``netdist demo``); use 
 
 Parameters, gradients and ``out=`` may be CPU torch tensors, bfloat16 included, exactly
 as for ``PSClient``; this rank's server keeps bfloat16 parameters as a float32 master copy
-(``netdist.ps.state.ServerShard``). In a torch loop, ``ServerOptimizerAggregator(ps,
+(``netdist.ps.shard.ServerShard``). In a torch loop, ``ServerOptimizerAggregator(ps,
 optimizer=...)`` with ``netdist.torch.sync.GradientSync`` does the pushing and pulling.
 """
 
@@ -29,11 +29,12 @@ from typing import Any, TypeVar
 import numpy as np
 
 from netdist.errors import NetdistError, ParameterServerError
+from netdist.optim import OptimizerConfig
 from netdist.ps._link import GroupLike, Loopback, WorkerSession
 from netdist.ps.client import PSClient, Tensors
+from netdist.ps.placement import DEFAULT_BIGARRAY_BOUND
 from netdist.ps.protocol import SHARDED_TAG_BASE
 from netdist.ps.server import PSServer, ServerReport
-from netdist.ps.state import DEFAULT_BIGARRAY_BOUND, OptimizerConfig
 from netdist.transport.base import Transport
 
 __all__ = ["ColocatedPS"]

@@ -21,7 +21,7 @@ Protocol, per worker and server (all messages on the server's tag range):
    versions behind; with ``None`` every push applies on arrival. An update sums the
    gradients in worker order, divides by ``W`` and runs the optimizer on the shard.
    bfloat16 parameters are kept as a float32 master copy with float32 optimizer state
-   and sent back rounded to bfloat16 (``netdist.ps.state.ServerShard``).
+   and sent back rounded to bfloat16 (``netdist.ps.shard.ServerShard``).
 3. *shutdown*: a worker sends ``DONE``; the server returns from ``run()`` once every
    worker is done. A worker that fails sends ``ABORT`` with its error.
 
@@ -48,6 +48,7 @@ from netdist.errors import (
     ParameterServerError,
     PeerLostError,
 )
+from netdist.optim import ShardOptimizer, optimizer_config_from_dict
 from netdist.ps._link import GroupLike, Loopback, RankFailure, first_error, open_endpoint, run_all
 from netdist.ps.protocol import (
     NO_STALENESS_BOUND,
@@ -61,18 +62,10 @@ from netdist.ps.protocol import (
     encode_header,
     stream_tag,
 )
-from netdist.ps.state import (
-    ParamSpec,
-    Segment,
-    ServerShard,
-    ShardOptimizer,
-    ShardPlan,
-    StalenessController,
-    VersionLogEntry,
-    optimizer_config_from_dict,
-    plan_segments,
-    plan_shards,
-)
+from netdist.ps.messages import Segment, plan_segments
+from netdist.ps.placement import ParamSpec, ShardPlan, plan_shards
+from netdist.ps.shard import ServerShard
+from netdist.ps.staleness import StalenessController, VersionLogEntry
 from netdist.transport.base import Transport
 from netdist.types import dtype_from_wire
 
@@ -142,7 +135,7 @@ class PSServer:
     @property
     def master(self) -> np.ndarray | None:
         """The parameters the optimizer updates: ``params`` itself, or for bfloat16 its
-        float32 master copy (see ``netdist.ps.state.ServerShard``)."""
+        float32 master copy (see ``netdist.ps.shard.ServerShard``)."""
         return None if self.shard is None else self.shard.master
 
     @property

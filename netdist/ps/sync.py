@@ -57,7 +57,7 @@ from netdist.errors import (
 )
 from netdist.ps._link import Endpoint, GroupLike, RankFailure, first_error, run_all
 from netdist.ps.protocol import SYNC_TAG_BASE, SyncStream, check_tag_base, stream_tag
-from netdist.ps.state import FlatLayout, Piece, plan_pieces
+from netdist.ps.messages import FlatLayout, Piece, plan_pieces
 from netdist.tensors import StagedOut, as_array, is_tensor, stage_out, to_tensor
 from netdist.transport.base import Transport
 from netdist.types import ReduceOp, combine, divide_into, dtype_from_wire, is_bfloat16

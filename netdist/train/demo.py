@@ -21,7 +21,7 @@ an async factory returning an ``UpdatePath``, and callers may pass their own tab
 - ``topk``: top-k sparsification with error feedback (``TopKAggregator``) + local SGD;
 - ``fp16``: bucketed all-reduce in float16 + local SGD;
 - ``ps``: synchronous parameter server on rank 0 (``netdist.ps.ParameterServer``) + local SGD;
-- ``ps-sharded`` / ``ps-async``: ``netdist.ps.demo_update_path`` -- parameters
+- ``ps-sharded`` / ``ps-async``: ``netdist.train.ps_paths.demo_update_path`` -- parameters
   partitioned across servers co-located with the first ``NETDIST_PS_SERVERS`` ranks,
   SGD on the servers; ``ps-async`` with the staleness bound ``NETDIST_PS_MAX_STALENESS``.
 
@@ -361,15 +361,15 @@ async def _ps_sync(group: Group, model: Sequential, config: DemoConfig) -> Updat
 
 
 async def _ps_hook(group: Group, model: Sequential, config: DemoConfig) -> UpdatePath:
-    """``ps-sharded`` / ``ps-async``: the parameter-server package's own update path.
+    """``ps-sharded`` / ``ps-async``: the parameter-server update path.
 
-    ``netdist.ps.demo_update_path`` runs servers co-located with the first
+    ``netdist.train.ps_paths.demo_update_path`` runs servers co-located with the first
     ``NETDIST_PS_SERVERS`` ranks (every rank trains) with SGD on the servers;
     ``NETDIST_PS_MAX_STALENESS`` bounds ``ps-async``. Its aggregator returns the new
     parameters, which its ``apply`` copies into the model.
     """
     try:
-        from netdist.ps import demo_update_path
+        from netdist.train.ps_paths import demo_update_path
     except ImportError as exc:  # pragma: no cover - netdist.ps ships with netdist
         raise ConfigError(f"--aggregator {config.aggregator} needs netdist.ps: {exc}") from exc
     hooks = await demo_update_path(config.aggregator, group, model, config)

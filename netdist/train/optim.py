@@ -2,7 +2,10 @@
 
 The update formulas follow ``torch.optim.SGD`` and ``torch.optim.Adam`` (non-foreach
 reference path) step for step, so a model trained here and the same model trained with
-torch follow the same trajectory up to floating-point rounding.
+torch follow the same trajectory up to floating-point rounding. The hyper-parameters are
+a ``netdist.optim`` config (``optimizer.config``; ``optimizer.lr`` and friends read and
+write it) and every step is ``netdist.optim.update``: the same vocabulary and arithmetic
+as the FSDP and parameter-server optimizers.
 
 ``state_dict()`` holds only plain data -- nested ``dict``s with ``str`` keys whose leaves
 are NumPy arrays, ``int``, ``float`` or ``bool`` -- so the checkpoint layer can write it
@@ -20,8 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from netdist.optim_kernels import (AdamHyperparameters, adam_update, check_lr,
-                                    check_sgd_hyperparameters, sgd_update)
+from netdist.optim import (
+    AdamAttributes,
+    AdamConfig,
+    OptimizerConfig,
+    SGDAttributes,
+    SGDConfig,
+    update,
+)
 from netdist.train.nn import Parameter
 
 __all__ = ["Optimizer", "SGD", "Adam"]
@@ -32,10 +41,9 @@ StateDict = dict[str, Any]
 class Optimizer:
     """Common parts: the parameter list, per-parameter state, ``zero_grad``, state dicts."""
 
-    _hyper_names: tuple[str, ...] = ()
-    _state_arrays: tuple[str, ...] = ()
+    config: OptimizerConfig
 
-    def __init__(self, params: Iterable[Parameter], lr: float) -> None:
+    def __init__(self, params: Iterable[Parameter], config: OptimizerConfig) -> None:
         self.params: list[Parameter] = list(params)
         if not self.params:
             raise ValueError("optimizer got an empty parameter list")
@@ -46,8 +54,7 @@ class Optimizer:
         if len(set(names)) != len(names):
             dupes = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"parameter names must be unique within an optimizer: {dupes}")
-        check_lr(lr)
-        self.lr = float(lr)
+        self.config = config
         self.state: dict[str, dict[str, Any]] = {}
 
     def zero_grad(self) -> None:
@@ -61,14 +68,15 @@ class Optimizer:
             if p.grad.shape != p.data.shape:
                 raise ValueError(f"parameter {p.name!r}: grad shape {p.grad.shape} "
                                  f"differs from data shape {p.data.shape}")
-            self._update(p, self.state.setdefault(p.name, {}))
-
-    def _update(self, p: Parameter, state: dict[str, Any]) -> None:
-        raise NotImplementedError
+            state = self.state.setdefault(p.name, {})
+            step = None  # torch's SGD counts no steps; Adam keeps "step" in the state
+            if isinstance(self.config, AdamConfig):
+                step = state["step"] = int(state.get("step", 0)) + 1
+            update(self.config, p.data, p.grad, state, step)
 
     def hyperparameters(self) -> dict[str, Any]:
         """Current hyper-parameters as plain floats/bools."""
-        return {name: getattr(self, name) for name in self._hyper_names}
+        return self.config.hyperparameters()
 
     def state_dict(self) -> StateDict:
         """``{"hyperparams": {...}, "state": {param name: {key: array | int}}}``, copied."""
@@ -91,30 +99,30 @@ class Optimizer:
         for name, entry in state_dict["state"].items():
             if name not in by_name:
                 raise ValueError(f"optimizer state names unknown parameter {name!r}")
-            p = by_name[name]
-            restored: dict[str, Any] = {}
-            for key, value in entry.items():
-                if key in self._state_arrays:
-                    array = np.asarray(value)
-                    if array.shape != p.data.shape:
-                        raise ValueError(f"optimizer state {name}.{key}: shape {array.shape}, "
-                                         f"parameter has {p.data.shape}")
-                    restored[key] = array.astype(p.data.dtype, copy=True)
-                elif key == "step":
-                    restored[key] = int(value)
-                else:
-                    raise ValueError(f"unknown optimizer state key {key!r} for {name!r}")
-            new_state[name] = restored
-        hyper = state_dict.get("hyperparams", {})
-        for key, value in hyper.items():
-            if key not in self._hyper_names:
-                raise ValueError(f"unknown hyper-parameter {key!r}")
-        for key, value in hyper.items():
-            setattr(self, key, type(getattr(self, key))(value))
+            new_state[name] = self._restored(name, by_name[name], entry)
+        config = self.config.with_hyperparameters(state_dict.get("hyperparams", {}),
+                                                  type(self).__name__)
+        self.config = config
         self.state = new_state
 
+    def _restored(self, name: str, p: Parameter, entry: dict[str, Any]) -> dict[str, Any]:
+        """One parameter's saved state, checked against ``p`` and copied."""
+        restored: dict[str, Any] = {}
+        for key, value in entry.items():
+            if key in self.config.STATE_KEYS:
+                array = np.asarray(value)
+                if array.shape != p.data.shape:
+                    raise ValueError(f"optimizer state {name}.{key}: shape {array.shape}, "
+                                     f"parameter has {p.data.shape}")
+                restored[key] = array.astype(p.data.dtype, copy=True)
+            elif key == "step":
+                restored[key] = int(value)
+            else:
+                raise ValueError(f"unknown optimizer state key {key!r} for {name!r}")
+        return restored
 
-class SGD(Optimizer):
+
+class SGD(SGDAttributes, Optimizer):
     """Stochastic gradient descent with torch's momentum, Nesterov and weight decay.
 
     ``d = grad + weight_decay * p``; with momentum ``buf = d`` on the first step, then
@@ -122,29 +130,13 @@ class SGD(Optimizer):
     or ``d = buf``; finally ``p -= lr * d``.
     """
 
-    _hyper_names = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
-    _state_arrays = ("momentum_buffer",)
-
     def __init__(self, params: Iterable[Parameter], lr: float, momentum: float = 0.0,
                  nesterov: bool = False, weight_decay: float = 0.0,
                  dampening: float = 0.0) -> None:
-        super().__init__(params, lr)
-        check_sgd_hyperparameters(momentum=momentum, nesterov=nesterov,
-                                  weight_decay=weight_decay, dampening=dampening)
-        self.momentum = float(momentum)
-        self.nesterov = bool(nesterov)
-        self.weight_decay = float(weight_decay)
-        self.dampening = float(dampening)
-
-    def _update(self, p: Parameter, state: dict[str, Any]) -> None:
-        buf = sgd_update(p.data, p.grad, state.get("momentum_buffer"), lr=self.lr,
-                         momentum=self.momentum, nesterov=self.nesterov,
-                         weight_decay=self.weight_decay, dampening=self.dampening)
-        if buf is not None:
-            state["momentum_buffer"] = buf
+        super().__init__(params, SGDConfig(lr, momentum, nesterov, weight_decay, dampening))
 
 
-class Adam(AdamHyperparameters, Optimizer):
+class Adam(AdamAttributes, Optimizer):
     """Adam with torch's bias correction and L2 ``weight_decay`` (added to the gradient).
 
     Per parameter: ``step += 1``; ``g = grad + weight_decay * p``;
@@ -153,26 +145,8 @@ class Adam(AdamHyperparameters, Optimizer):
     With ``amsgrad`` the running maximum of ``v`` replaces ``v`` in the denominator.
     """
 
-    _hyper_names = ("lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad")
-    _state_arrays = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
     def __init__(self, params: Iterable[Parameter], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False) -> None:
-        super().__init__(params, lr)
-        self._set_adam_hyperparameters(betas, eps, weight_decay, amsgrad)
-
-    def _update(self, p: Parameter, state: dict[str, Any]) -> None:
-        if "step" not in state:
-            state["step"] = 0
-            state["exp_avg"] = np.zeros_like(p.data)
-            state["exp_avg_sq"] = np.zeros_like(p.data)
-            if self.amsgrad:
-                state["max_exp_avg_sq"] = np.zeros_like(p.data)
-        state["step"] += 1
-        max_exp_avg_sq = None
-        if self.amsgrad:
-            max_exp_avg_sq = state.setdefault("max_exp_avg_sq", np.zeros_like(p.data))
-        adam_update(p.data, p.grad, state["exp_avg"], state["exp_avg_sq"], step=state["step"],
-                    lr=self.lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                    weight_decay=self.weight_decay, max_exp_avg_sq=max_exp_avg_sq)
+        beta1, beta2 = betas
+        super().__init__(params, AdamConfig(lr, beta1, beta2, eps, weight_decay, amsgrad))

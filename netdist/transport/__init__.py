@@ -1,11 +1,23 @@
-"""Point-to-point messaging: the ``Transport`` contract and its implementations."""
+"""Point-to-point messaging: the ``Transport`` contract and its implementations.
 
-from netdist.transport.base import MAX_TAG, Transport
-from netdist.transport.inprocess import InProcessTransport
-from netdist.transport.local import create_local_tcp_group, local_tcp_group
-from netdist.transport.probe import p2p_benchmark
-from netdist.transport.setup import init
-from netdist.transport.tcp import TcpTransport
+Names resolve lazily (``netdist._lazy``), so importing one module of this package does
+not import the others.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+_EXPORTS: dict[str, str] = {
+    "Transport": "netdist.transport.base",
+    "MAX_TAG": "netdist.transport.base",
+    "InProcessTransport": "netdist.transport.inprocess",
+    "TcpTransport": "netdist.transport.tcp",
+    "init": "netdist.transport.setup",
+    "create_local_tcp_group": "netdist.transport.local",
+    "local_tcp_group": "netdist.transport.local",
+    "p2p_benchmark": "netdist.transport.probe",
+}
 
 __all__ = [
     "Transport",
@@ -17,3 +29,15 @@ __all__ = [
     "p2p_benchmark",
     "MAX_TAG",
 ]
+
+if TYPE_CHECKING:
+    from netdist.transport.base import MAX_TAG, Transport
+    from netdist.transport.inprocess import InProcessTransport
+    from netdist.transport.local import create_local_tcp_group, local_tcp_group
+    from netdist.transport.probe import p2p_benchmark
+    from netdist.transport.setup import init
+    from netdist.transport.tcp import TcpTransport
+else:
+    from netdist._lazy import attach as _attach
+
+    __getattr__, __dir__ = _attach(__name__, _EXPORTS)

@@ -18,6 +18,7 @@ collectives allocate theirs from a per-group counter (see ``netdist.collectives`
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -58,6 +59,9 @@ class Transport(abc.ABC):
 
     rank: int
     world_size: int
+    timeout: float
+    """Default bound, in seconds, of every wait whose caller gives none (a ``Group``
+    made without ``timeout=`` uses it for its collectives)."""
 
     @abc.abstractmethod
     async def send(self, dst: int, data: Any, *, tag: int = 0,
@@ -78,6 +82,16 @@ class Transport(abc.ABC):
         type of ``out`` wins) and ``out`` is returned. Without it a new array with the
         sender's dtype and shape is returned. On timeout or cancellation the posted
         receive is withdrawn; a message that arrives later is kept for the next ``recv``.
+
+        bfloat16 comes back as ``netdist.types.BFLOAT16``: a real ``ml_dtypes.bfloat16``
+        array where ``ml_dtypes`` is installed, else ``BFLOAT16_RAW``, the raw bits in a
+        structured dtype NumPy refuses to compute with (so they are never misread as
+        numbers). The transport does not raise for it, because the layers built on it
+        (gather, pipeline stages, ``Group.recv`` itself) need exactly those bits; callers
+        wanting a usable value without ``ml_dtypes`` receive through ``Group.recv``, which
+        gives a ``torch.bfloat16`` tensor where torch is imported and otherwise raises a
+        ``TypeError`` naming the dtype and ``pip install 'netdist[bf16]'``
+        (``netdist.tensors.numpy_result``), or pass ``out=``.
         """
 
     @abc.abstractmethod
@@ -111,15 +125,37 @@ class Transport(abc.ABC):
         if peer == self.rank:
             raise ValueError(f"{what} {peer} is this rank; send/recv need another rank")
 
-    def next_root_group(self) -> int:
-        """Number the next root ``Group`` built on this transport: 0, 1, 2, ...
+    def lost_peer_error(self, peer: int) -> Exception | None:
+        """The error a receive from ``peer`` would raise right now because the transport
+        already knows ``peer`` is gone (``PeerLostError``), else ``None``.
 
-        Every rank builds its root groups in the same order, so equal numbers name the
-        same group on every rank and give it the same tag namespace.
+        Answered from what the transport knows, without waiting and without connecting:
+        a ``Group`` names the lost members in its timeout messages from this. Transports
+        that cannot tell return ``None`` (the default).
         """
-        created: int = getattr(self, "_root_groups_created", 0)
-        self._root_groups_created = created + 1
-        return created
+        return None
+
+    def host_keys(self) -> tuple[bytes, ...] | None:
+        """Every rank's host key (``netdist.transport.shm.host_key``) in rank order, as
+        learnt when the job formed, or ``None`` if this transport does not know them (a
+        ``Group`` then asks its members)."""
+        return None
+
+    async def find_lost_peers(self, peers: Sequence[int], *,
+                              timeout: float) -> dict[int, Exception]:
+        """Which of ``peers`` are gone, each with the error a receive from it would raise.
+
+        Peers the transport already knows are gone are answered at once. A transport that
+        connects on first use also tries, for at most ``timeout`` seconds, to reach the
+        listed peers it has never talked to, so a rank that left is found even by ranks
+        it never exchanged a message with. The default answers from ``lost_peer_error``.
+        """
+        found = {}
+        for peer in peers:
+            error = self.lost_peer_error(peer)
+            if error is not None:
+                found[peer] = error
+        return found
 
     def check_open(self, op: str) -> None:
         """Raise ``TransportClosedError`` naming ``op`` once the transport is closed."""

@@ -17,6 +17,7 @@ from netdist.errors import PeerLostError, TransportClosedError
 from netdist.transport.barrier import dissemination_barrier
 from netdist.transport.base import Transport, as_payload_array
 from netdist.transport.mailbox import PeerMailbox, byte_view
+from netdist.transport.shm import host_key
 
 __all__ = ["InProcessTransport"]
 
@@ -77,6 +78,15 @@ class InProcessTransport(Transport):
         tag = self.check_tag(tag)
         box = self._hub.boxes[self.rank][src]
         return await box.recv(tag, out, self.timeout if timeout is None else timeout)
+
+    def host_keys(self) -> tuple[bytes, ...] | None:
+        return (host_key(),) * self.world_size  # every rank lives in this process
+
+    def lost_peer_error(self, peer: int) -> Exception | None:
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            return None
+        error = self._hub.boxes[self.rank][peer].failure()
+        return error if isinstance(error, PeerLostError) else None
 
     async def barrier(self, *, timeout: float | None = None) -> None:
         self.check_open("barrier")

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from netdist.config import DistributedConfig
+from netdist.errors import ConfigError, ConnectError
 from netdist.transport.tcp import TcpTransport
 
 __all__ = ["create_local_tcp_group", "local_tcp_group"]
@@ -25,11 +26,15 @@ async def create_local_tcp_group(n: int, **config_overrides: Any) -> list[TcpTra
 
     ``config_overrides`` are ``DistributedConfig`` fields (``timeout``,
     ``heartbeat_interval``, ``limits``, ...). A random job id and token are used unless
-    given. The caller closes the transports (or use ``local_tcp_group``). If any rank
-    fails to connect, the others are closed and the first error is raised.
+    given. The caller closes the transports (or use ``local_tcp_group``). The ranks
+    connect as tasks of one ``asyncio.TaskGroup``: rank 0 first (it runs the
+    coordinator), the others once its address is known. If any rank fails to connect,
+    the others are cancelled, every transport that did connect is closed and the first
+    error is raised as itself (not as an ``ExceptionGroup``); cancelling the caller
+    cleans up the same way. ``n < 1`` is a ``ConfigError``.
     """
     if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
+        raise ConfigError(f"create_local_tcp_group: n must be >= 1, got {n}")
     settings: dict[str, Any] = {
         "job_id": f"local-{secrets.token_hex(4)}",
         "token": secrets.token_hex(16),
@@ -43,41 +48,55 @@ async def create_local_tcp_group(n: int, **config_overrides: Any) -> list[TcpTra
     settings["world_size"] = n
     if n == 1:
         return [await TcpTransport.connect(DistributedConfig(rank=0, **settings))]
-    loop = asyncio.get_running_loop()
-    ready: asyncio.Future[tuple[str, int]] = loop.create_future()
+    ready: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
+    connected: dict[int, TcpTransport] = {}
 
     def on_ready(address: tuple[str, int]) -> None:
         if not ready.done():
             ready.set_result(address)
 
-    tasks: list[asyncio.Task[TcpTransport]] = [loop.create_task(TcpTransport.connect(
-        DistributedConfig(rank=0, **settings), on_coordinator_ready=on_ready))]
+    async def join_coordinator(config: DistributedConfig) -> None:
+        connected[0] = await TcpTransport.connect(config, on_coordinator_ready=on_ready)
+        if not ready.done():  # defensive: rank 0 always reports its coordinator first
+            ready.set_exception(ConnectError(
+                f"create_local_tcp_group: rank 0 connected without reporting its "
+                f"coordinator's address, so ranks 1..{n - 1} have nothing to join"))
+
+    async def join(config: DistributedConfig) -> None:
+        connected[config.rank] = await TcpTransport.connect(config)
+
+    first_error: BaseException | None = None
     try:
-        first: list[asyncio.Future[Any]] = [tasks[0], ready]
-        await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
-        if not ready.done():
-            await tasks[0]  # rank 0 failed before its coordinator was up: raise that
-            raise RuntimeError("rank 0 connected without starting a coordinator")
-        settings["coordinator"] = ready.result()
-        tasks.extend(loop.create_task(TcpTransport.connect(
-            DistributedConfig(rank=rank, **settings))) for rank in range(1, n))
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in tasks:
-            error = task.exception() if task.done() and not task.cancelled() else None
-            if error is not None:
-                raise error
-        return [t.result() for t in tasks]
+        async with asyncio.TaskGroup() as ranks:
+            ranks.create_task(join_coordinator(DistributedConfig(rank=0, **settings)))
+            settings["coordinator"] = await ready  # rank 0 failing first cancels this wait
+            for rank in range(1, n):
+                ranks.create_task(join(DistributedConfig(rank=rank, **settings)))
+    except BaseExceptionGroup as failures:
+        first_error = _first_error(failures)
     except BaseException:
-        for task in tasks:
-            task.cancel()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        for result in results:
-            if isinstance(result, TcpTransport):
-                await result.aclose()
+        await _aclose_all(connected.values())
         raise
     finally:
         if not ready.done():
             ready.cancel()
+    if first_error is not None:
+        await _aclose_all(connected.values())
+        raise first_error
+    return [connected[rank] for rank in range(n)]
+
+
+def _first_error(failures: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The exception that failed the group first (``TaskGroup`` lists them in order)."""
+    error: BaseException = failures
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+async def _aclose_all(transports: Iterable[TcpTransport]) -> None:
+    """Close every transport; one that fails to close does not stop the others."""
+    await asyncio.gather(*(t.aclose() for t in list(transports)), return_exceptions=True)
 
 
 @contextlib.asynccontextmanager

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
+import errno
 import os
-from collections.abc import Awaitable, Callable
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from netdist.checkpoint import (
     save_distributed,
     shard_state_dict,
 )
+from netdist.checkpoint import collective as collective_module
 from netdist.collectives import Group
 from netdist.errors import (
     CheckpointCorruptError,
@@ -31,28 +32,13 @@ from netdist.errors import (
     CheckpointNotFoundError,
 )
 from netdist.sharding import chunk_bounds
-from netdist.transport import InProcessTransport
+from tests.ranks import run_ranks
 
 OP_TIMEOUT = 10.0
 
 W = np.arange(11 * 6, dtype=np.float32).reshape(11, 6)   # sharded weight, 11 rows: uneven
 M = np.linspace(-1, 1, 11 * 6).reshape(11, 6)             # its Adam moment
 BIAS = np.arange(6, dtype=np.float64)
-
-
-async def run_ranks(n: int, body: Callable[[Group], Awaitable[Any]], *,
-                    return_exceptions: bool = False) -> list[Any]:
-    transports = InProcessTransport.create_group(n, timeout=OP_TIMEOUT)
-    groups = [Group(t) for t in transports]
-    try:
-        async with asyncio.timeout(60):
-            return list(await asyncio.gather(*(body(g) for g in groups),
-                                             return_exceptions=return_exceptions))
-    finally:
-        for g in groups:
-            await g.aclose()
-        for t in transports:
-            await t.aclose()
 
 
 def train_state(rank: int, n: int, *, scale: float = 1.0) -> dict[str, Any]:
@@ -289,6 +275,39 @@ async def test_load_failures_are_raised_on_every_rank(tmp_path: Path) -> None:
     errors = await run_ranks(2, wrong_dtype, return_exceptions=True)
     assert all(isinstance(e, CheckpointMismatchError) for e in errors)
     assert "dtype float64" in str(errors[0])
+
+
+async def test_an_os_error_on_one_rank_is_a_checkpoint_error_naming_rank_and_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    await run_ranks(2, lambda g: save(train_state(g.rank, 2), tmp_path, g, timeout=OP_TIMEOUT))
+    directory = tmp_path / "step_000000"
+    original = collective_module.check_file_sizes
+    lock = threading.Lock()
+    calls: list[int] = []
+
+    def refused_once(path: Any, *args: Any) -> None:
+        with lock:
+            calls.append(len(calls))
+            first = len(calls) == 1
+        if first:  # whichever rank checks first cannot read a rank file
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES),
+                                  str(path / "rank_00001.safetensors"))
+        original(path, *args)
+
+    monkeypatch.setattr(collective_module, "check_file_sizes", refused_once)
+    errors = await run_ranks(
+        2, lambda g: load(tmp_path, g, like=blank_like(g.rank, 2), timeout=OP_TIMEOUT),
+        return_exceptions=True)
+    assert len(calls) == 2 and all(type(e) is CheckpointError for e in errors), errors
+    failed = [r for r, e in enumerate(errors) if isinstance(e.__cause__, PermissionError)]
+    assert len(failed) == 1, errors
+    rank, other = failed[0], 1 - failed[0]
+    assert str(errors[rank]) == (
+        f"rank {rank} could not read checkpoint {directory}: [Errno {errno.EACCES}] "
+        f"{os.strerror(errno.EACCES)}: '{directory / 'rank_00001.safetensors'}'")
+    assert str(errors[other]).startswith(
+        f"checkpoint load failed on rank(s) {rank} (seen from rank {other}): rank {rank}: "
+        f"CheckpointError: rank {rank} could not read checkpoint {directory}")
 
 
 async def test_check_replicated_catches_diverged_copies(tmp_path: Path) -> None:

@@ -28,11 +28,13 @@ from netdist.checkpoint import (
     shard_state_dict,
 )
 from netdist.checkpoint import api as api_module
+from netdist.checkpoint import writing as writing_module
 from netdist.checkpoint.commit import aside_dir_name, scan_root, staging_dir_name
 from netdist.collectives import Group
 from netdist.errors import CheckpointError
 from netdist.sharding import chunk_bounds
-from tests.checkpoint.test_collective import OP_TIMEOUT, run_ranks
+from tests.checkpoint.test_collective import OP_TIMEOUT
+from tests.ranks import run_ranks
 
 ROWS = 10
 
@@ -133,14 +135,14 @@ async def test_an_uncommitted_staging_directory_is_never_loaded(tmp_path: Path) 
 async def test_a_failed_overwrite_keeps_the_old_checkpoint_and_names_rank_and_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     await save_all(tmp_path, 4, 1)
-    original = api_module.write_safetensors
+    original = writing_module.write_safetensors
 
     def out_of_descriptors(path: Any, *args: Any, **kwargs: Any) -> Any:
         if Path(path).name == "rank_00001.safetensors":
             raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), str(path))
         return original(path, *args, **kwargs)
 
-    monkeypatch.setattr(api_module, "write_safetensors", out_of_descriptors)
+    monkeypatch.setattr(writing_module, "write_safetensors", out_of_descriptors)
     errors = await save_all(tmp_path, 4, 2, overwrite=True)
     assert all(type(e) is CheckpointError for e in errors), errors
     assert str(errors[1]).startswith(

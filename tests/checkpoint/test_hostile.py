@@ -4,7 +4,6 @@ rank of a collective load (issue 12, items 3, 4 and 5)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import struct
@@ -37,7 +36,7 @@ from netdist.checkpoint.storage import (
 )
 from netdist.collectives import Group
 from netdist.errors import CheckpointCorruptError, CheckpointError
-from netdist.transport import InProcessTransport
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(60)  # a regression that blocks fails instead of hanging
 
@@ -163,20 +162,6 @@ def test_a_regular_file_opens_blocking(ck: Path) -> None:
         os.close(fd)
 
 
-async def _run_ranks(n: int, body: Callable[[Group], Any]) -> list[Any]:
-    transports = InProcessTransport.create_group(n, timeout=OP_TIMEOUT)
-    groups = [Group(t) for t in transports]
-    try:
-        async with asyncio.timeout(30):
-            return list(await asyncio.gather(*(body(g) for g in groups),
-                                             return_exceptions=True))
-    finally:
-        for g in groups:
-            await g.aclose()
-        for t in transports:
-            await t.aclose()
-
-
 async def _collective_checkpoint(root: Path) -> Path:
     async def body(g: Group) -> Any:
         lo, hi = (0, 4) if g.rank == 0 else (4, 8)
@@ -184,7 +169,8 @@ async def _collective_checkpoint(root: Path) -> Path:
                  "cursor": g.rank * 10, "step": 5}
         return await save(state, root, g, timeout=OP_TIMEOUT)
 
-    results = await _run_ranks(2, body)
+    results = await run_ranks(2, body, op_timeout=OP_TIMEOUT, guard=30,
+                              return_exceptions=True)
     assert all(not isinstance(r, BaseException) for r in results), results
     return root / "step_000000"
 
@@ -194,7 +180,8 @@ async def test_collective_load_with_a_fifo_shard_fails_on_every_rank(tmp_path: P
     shard = directory / "rank_00001.safetensors"
     os.unlink(shard)
     os.mkfifo(shard)
-    errors = await _run_ranks(2, lambda g: load(tmp_path, g, timeout=OP_TIMEOUT))
+    errors = await run_ranks(2, lambda g: load(tmp_path, g, timeout=OP_TIMEOUT),
+                            op_timeout=OP_TIMEOUT, guard=30, return_exceptions=True)
     assert all(isinstance(e, CheckpointCorruptError) for e in errors), errors
     assert all("rank_00001.safetensors is a FIFO" in str(e) for e in errors)
 
@@ -334,7 +321,8 @@ def test_header_metadata_must_be_strings(tmp_path: Path) -> None:
 async def test_truncated_rank_objects_fail_on_every_rank(tmp_path: Path) -> None:
     directory = await _collective_checkpoint(tmp_path)
     _edit_metadata(directory, lambda doc: doc["state"]["rank_objects"]["cursor"].pop())
-    errors = await _run_ranks(2, lambda g: load(tmp_path, g, timeout=OP_TIMEOUT))
+    errors = await run_ranks(2, lambda g: load(tmp_path, g, timeout=OP_TIMEOUT),
+                            op_timeout=OP_TIMEOUT, guard=30, return_exceptions=True)
     assert all(isinstance(e, CheckpointCorruptError) for e in errors), errors
     assert all(METADATA_FILE in str(e) and "per-rank value 'cursor' has 1 entries for 2 ranks"
                in str(e) for e in errors)
@@ -351,7 +339,8 @@ async def test_state_skeleton_naming_unknown_leaves_is_corrupt(tmp_path: Path) -
         doc["state"]["skeleton"]["items"].append(["ghost", {"t": "tensor", "k": "ghost"}])
 
     _edit_metadata(directory, edit)
-    errors = await _run_ranks(2, lambda g: load(tmp_path, g, timeout=OP_TIMEOUT))
+    errors = await run_ranks(2, lambda g: load(tmp_path, g, timeout=OP_TIMEOUT),
+                            op_timeout=OP_TIMEOUT, guard=30, return_exceptions=True)
     assert all(isinstance(e, CheckpointCorruptError) for e in errors), errors
     assert "is not a str or int" in str(errors[0])
 

@@ -17,8 +17,8 @@ from netdist.checkpoint.metadata import (
     StateLayout,
     TensorShardSpec,
     check_file_name,
-    decode_object,
-    encode_object,
+    decode_json_value,
+    encode_json_value,
     json_depth,
     parse_json,
     parse_step_dir_name,
@@ -161,15 +161,15 @@ def test_names() -> None:
     b"\x00\xff", {(1, 2): "tuple key"},
 ])
 def test_object_codec_round_trip(value: object) -> None:
-    encoded = encode_object(value)
+    encoded = encode_json_value(value)
     text = json.dumps(encoded, allow_nan=False)
-    assert decode_object(json.loads(text)) == value
+    assert decode_json_value(json.loads(text)) == value
 
 
 def test_object_codec_special_floats_and_numpy() -> None:
-    back = decode_object(json.loads(json.dumps(
-        encode_object([math.inf, -math.inf, math.nan, np.float32(1.5), np.int64(-3),
-                       np.uint64(2**64 - 1), np.bool_(True)]), allow_nan=False)))
+    back = decode_json_value(json.loads(json.dumps(
+        encode_json_value([math.inf, -math.inf, math.nan, np.float32(1.5), np.int64(-3),
+                           np.uint64(2**64 - 1), np.bool_(True)]), allow_nan=False)))
     assert back[0] == math.inf and back[1] == -math.inf and math.isnan(back[2])
     assert back[3] == np.float32(1.5) and type(back[3]) is np.float32
     assert back[4] == -3 and type(back[4]) is np.int64
@@ -183,9 +183,9 @@ def test_object_codec_arrays_and_rngs() -> None:
     gen.random(3)
     mt = np.random.MT19937(5)
     expected_state = gen.bit_generator.state
-    encoded = json.loads(json.dumps(encode_object({"a": array, "g": gen, "mt": mt,
-                                                   "state": gen.bit_generator.state})))
-    back = decode_object(encoded)
+    encoded = json.loads(json.dumps(encode_json_value({"a": array, "g": gen, "mt": mt,
+                                                       "state": gen.bit_generator.state})))
+    back = decode_json_value(encoded)
     np.testing.assert_array_equal(back["a"], array)
     assert back["a"].dtype == np.uint32
     assert back["g"].bit_generator.state == gen.bit_generator.state
@@ -200,11 +200,11 @@ def test_object_codec_refuses_arbitrary_objects() -> None:
         pass
 
     with pytest.raises(TypeError, match="Thing"):
-        encode_object({"x": Thing()})
+        encode_json_value({"x": Thing()})
     with pytest.raises(CheckpointCorruptError):
-        decode_object({"$nd": "pickle", "v": "..."})
+        decode_json_value({"$nd": "pickle", "v": "..."})
     with pytest.raises(CheckpointCorruptError):
-        decode_object({"$nd": "generator", "v": {"bit_generator": "os.system"}})
+        decode_json_value({"$nd": "generator", "v": {"bit_generator": "os.system"}})
 
 
 def test_metadata_json_golden_text() -> None:

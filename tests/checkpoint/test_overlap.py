@@ -36,8 +36,8 @@ from netdist.checkpoint import (
 from netdist.checkpoint.metadata import METADATA_FILE, ShardMetadata
 from netdist.checkpoint.state import flatten_state
 from netdist.errors import CheckpointCorruptError, CheckpointMismatchError
-from tests.checkpoint.test_collective import run_ranks
 from tests.checkpoint.test_torch_state import assert_bitwise, data_bytes, safetensors_header
+from tests.ranks import run_ranks
 
 OP_TIMEOUT = 20.0
 ROWS, COLS = 16, 8

@@ -17,6 +17,7 @@ from netdist.checkpoint.planner import (
     plan_writes,
     run_layout,
 )
+from netdist.errors import CheckpointMismatchError
 
 
 def _rep(*shape: int, dtype: str = "float32") -> TensorShardSpec:
@@ -116,7 +117,7 @@ def test_read_plan_empty_box_and_errors() -> None:
     assert plan_reads(saved, {}, {"w": ((2, 2),)}) == {"w": ()}
     with pytest.raises(ValueError, match="outside"):
         plan_reads(saved, {}, {"w": ((0, 5),)})
-    with pytest.raises(KeyError):
+    with pytest.raises(CheckpointMismatchError, match="tensor 'x' is not in the checkpoint"):
         plan_reads(saved, {}, {"x": ((0, 1),)})
 
 

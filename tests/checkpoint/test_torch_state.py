@@ -15,18 +15,13 @@ at 3, compared with the uninterrupted run bit for bit.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import json
 import os
 import re
-import secrets
-import socket
 import struct
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +48,7 @@ from netdist.checkpoint import (
 from netdist.collectives import Group
 from netdist.errors import CheckpointError, CheckpointMismatchError
 from tests.checkpoint import torch_bf16_worker as bf16
-from tests.checkpoint.test_collective import run_ranks
+from tests.ranks import finish_ranks, run_ranks, start_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 OP_TIMEOUT = 20.0
@@ -618,49 +613,14 @@ async def test_tensors_a_checkpoint_cannot_address_are_refused_clearly(tmp_path:
 # --------------------------------------------------------------------------- acceptance
 
 
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def _ranks(n: int, args: list[str]) -> Iterator[list[subprocess.Popen[str]]]:
-    """``n`` worker processes joined over TCP on 127.0.0.1; all killed on the way out."""
-    port, token = _free_port(), secrets.token_hex(16)
-    procs = []
-    try:
-        for rank in range(n):
-            env = {k: v for k, v in os.environ.items()
-                   if not k.startswith("NETDIST_") and k not in ("RANK", "WORLD_SIZE")}
-            env.update(NETDIST_RANK=str(rank), NETDIST_WORLD_SIZE=str(n),
-                       NETDIST_COORDINATOR=f"127.0.0.1:{port}", NETDIST_TOKEN=token,
-                       NETDIST_JOB_ID=f"ckpt-{token[:6]}", NETDIST_TIMEOUT="60",
-                       PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tests.checkpoint.torch_ckpt_worker", *args], cwd=REPO,
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        yield procs
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate(timeout=30)
-
-
 def _run_job(n: int, args: list[str], out: Path, timeout: float = 90.0) -> list[dict[str, Any]]:
+    """``n`` worker processes joined over TCP on 127.0.0.1, run to the end (bounded); what
+    each rank saved."""
     out.mkdir(parents=True)
-    deadline = time.monotonic() + timeout
-    with _ranks(n, [*args[:2], str(out), *args[2:]]) as procs:
-        outputs = []
-        for proc in procs:
-            try:
-                text, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"the {n}-rank job {args[0]} did not finish in {timeout}s")
-            outputs.append(text)
-        for rank, proc in enumerate(procs):
-            assert proc.returncode == 0, f"rank {rank} of {args[0]} failed:\n{outputs[rank]}"
+    procs = start_ranks(n, "tests.checkpoint.torch_ckpt_worker", [*args[:2], str(out), *args[2:]],
+                        timeout=60, job_prefix="ckpt")
+    for rank, done in enumerate(finish_ranks(procs, timeout)):
+        assert done.returncode == 0, f"rank {rank} of {args[0]} failed:\n{done.stdout}"
     return [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(n)]
 
 

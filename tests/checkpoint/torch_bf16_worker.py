@@ -22,12 +22,14 @@ change.
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tests import ranks
 
 BF16_SPECIAL = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC1, 0x0001, 0x8001, 0x3F80]
 FP16_SPECIAL = [0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E01, 0x0001, 0x8001, 0x3C00]
@@ -80,21 +82,8 @@ def check_torch_state(got: dict[str, Any], what: str) -> None:
     assert got["step"] == 3, what
 
 
-async def run_ranks(n: int, body: Callable[[Any], Awaitable[Any]]) -> list[Any]:
-    from netdist.collectives import Group
-    from netdist.transport import InProcessTransport
-
-    transports = InProcessTransport.create_group(n, timeout=20)
-    groups = [Group(t) for t in transports]
-    try:
-        async with asyncio.timeout(60):
-            return list(await asyncio.gather(*(body(g) for g in groups),
-                                             return_exceptions=True))
-    finally:
-        for g in groups:
-            await g.aclose()
-        for t in transports:
-            await t.aclose()
+run_ranks = functools.partial(ranks.run_ranks, op_timeout=20.0, return_exceptions=True)
+"""Every rank in this process over in-process transports; a rank's exception is its result."""
 
 
 def no_ml_dtypes(root: Path) -> None:

@@ -20,7 +20,7 @@ from netdist.collectives.bench import (
     parse_sizes,
     run_benchmark,
 )
-from tests.collectives.helpers import run_inprocess
+from tests.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,7 @@ async def test_run_benchmark_in_process_checks_results(op: str) -> None:
         return await run_benchmark(g, op, [8, 4096, 100_000], iters=2, warmup=1, timeout=10,
                                    on_row=seen.append if g.rank == 0 else None)
 
-    results = await run_inprocess(3, body, segment_bytes=8192, small_message_bytes=4096)
+    results = await run_ranks(3, body, segment_bytes=8192, small_message_bytes=4096)
     rows = results[0]
     assert results[1] == results[2] == []
     assert rows == seen

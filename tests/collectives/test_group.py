@@ -11,7 +11,8 @@ from netdist.collectives import Group
 from netdist.transport import InProcessTransport
 from netdist.sharding import chunk_bounds
 from netdist.types import WIRE_DTYPES, ReduceOp
-from tests.collectives.helpers import RING, SMALL, assert_bitwise_equal, run_inprocess
+from tests.collectives.helpers import RING, SMALL, assert_bitwise_equal
+from tests.ranks import run_ranks
 
 ALGOS = {"small": SMALL, "ring": RING}
 WORLD_SIZES = list(range(1, 10))
@@ -34,7 +35,7 @@ async def test_all_reduce_sum_exact(n: int, algo: str, shape: tuple[int, ...]) -
         assert result is arr
         return arr
 
-    results = await run_inprocess(n, body, small_message_bytes=ALGOS[algo], segment_bytes=48)
+    results = await run_ranks(n, body, small_message_bytes=ALGOS[algo], segment_bytes=48)
     for result in results:
         assert result.shape == shape
         np.testing.assert_array_equal(result, expected)
@@ -50,7 +51,7 @@ async def test_all_reduce_float_bitwise_identical(n: int, algo: str) -> None:
     async def body(g: Group) -> np.ndarray:
         return await g.all_reduce(data(g.rank), timeout=5)
 
-    results = await run_inprocess(n, body, small_message_bytes=ALGOS[algo], segment_bytes=256)
+    results = await run_ranks(n, body, small_message_bytes=ALGOS[algo], segment_bytes=256)
     assert_bitwise_equal(results)
     np.testing.assert_allclose(results[0], np.sum([data(r) for r in range(n)], axis=0),
                                rtol=1e-9, atol=1e-9)
@@ -63,7 +64,7 @@ async def test_all_reduce_max_signed_zero_bitwise_identical(n: int, algo: str) -
         arr = np.array([0.0 if g.rank % 2 else -0.0] * 7)
         return await g.all_reduce(arr, ReduceOp.MAX, timeout=5)
 
-    results = await run_inprocess(n, body, small_message_bytes=ALGOS[algo], segment_bytes=16)
+    results = await run_ranks(n, body, small_message_bytes=ALGOS[algo], segment_bytes=16)
     assert_bitwise_equal(results)
 
 
@@ -87,7 +88,7 @@ async def test_all_reduce_every_dtype(dtype: str, op: ReduceOp, algo: str) -> No
     async def body(g: Group) -> np.ndarray:
         return await g.all_reduce(_dtype_values(dtype, g.rank, size), op, timeout=5)
 
-    results = await run_inprocess(n, body, small_message_bytes=ALGOS[algo], segment_bytes=16)
+    results = await run_ranks(n, body, small_message_bytes=ALGOS[algo], segment_bytes=16)
     assert_bitwise_equal(results)
     assert results[0].dtype == WIRE_DTYPES[dtype]
     np.testing.assert_array_equal(results[0], expected)
@@ -109,7 +110,7 @@ async def test_all_reduce_other_ops(n: int, algo: str) -> None:
         out["str"] = await g.all_reduce(data[g.rank].copy(), "max", timeout=5)
         return out
 
-    results = await run_inprocess(n, body, small_message_bytes=ALGOS[algo], segment_bytes=8)
+    results = await run_ranks(n, body, small_message_bytes=ALGOS[algo], segment_bytes=8)
     stacked = np.stack(data)
     for res in results:
         np.testing.assert_array_equal(res["SUM"], stacked.sum(0))
@@ -130,7 +131,7 @@ async def test_all_reduce_bitwise_ops(n: int, algo: str) -> None:
         return {op: await g.all_reduce(data[g.rank].copy(), op, timeout=5)
                 for op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)}
 
-    results = await run_inprocess(n, body, small_message_bytes=ALGOS[algo], segment_bytes=8)
+    results = await run_ranks(n, body, small_message_bytes=ALGOS[algo], segment_bytes=8)
     for res in results:
         np.testing.assert_array_equal(res[ReduceOp.BAND], np.bitwise_and.reduce(data))
         np.testing.assert_array_equal(res[ReduceOp.BOR], np.bitwise_or.reduce(data))
@@ -144,7 +145,7 @@ async def test_float_overflow_gives_inf_without_a_warning(algo: str) -> None:
     async def body(g: Group) -> np.ndarray:
         return await g.all_reduce(np.full(64, 3e38, np.float32), timeout=5)
 
-    for result in await run_inprocess(2, body, small_message_bytes=ALGOS[algo], segment_bytes=64):
+    for result in await run_ranks(2, body, small_message_bytes=ALGOS[algo], segment_bytes=64):
         assert np.isinf(result).all() and (result > 0).all()
 
 
@@ -153,7 +154,7 @@ async def test_bitwise_ops_refuse_floats() -> None:
         with pytest.raises(TypeError, match="BXOR needs an integer or bool dtype, got float32"):
             await g.all_reduce(np.ones(2, np.float32), ReduceOp.BXOR, timeout=5)
 
-    await run_inprocess(2, body)
+    await run_ranks(2, body)
 
 
 async def test_all_reduce_bool_prod_min_are_logical_and() -> None:
@@ -164,7 +165,7 @@ async def test_all_reduce_bool_prod_min_are_logical_and() -> None:
         return [await g.all_reduce(data[g.rank].copy(), op, timeout=5)
                 for op in (ReduceOp.PROD, ReduceOp.MIN)]
 
-    for result in await run_inprocess(3, body):
+    for result in await run_ranks(3, body):
         for arr in result:
             np.testing.assert_array_equal(arr, np.logical_and.reduce(data))
 
@@ -177,7 +178,7 @@ async def test_all_reduce_mean_rejects_integers_and_bool() -> None:
         with pytest.raises(ValueError, match="unknown reduce op"):
             await g.all_reduce(np.zeros(3), "median")
 
-    await run_inprocess(2, body)
+    await run_ranks(2, body)
 
 
 async def test_all_reduce_non_contiguous_in_place() -> None:
@@ -187,7 +188,7 @@ async def test_all_reduce_non_contiguous_in_place() -> None:
         await g.all_reduce(view, timeout=5)
         return base
 
-    results = await run_inprocess(3, body, small_message_bytes=RING, segment_bytes=8)
+    results = await run_ranks(3, body, small_message_bytes=RING, segment_bytes=8)
     expected = np.arange(40, dtype=np.float64).reshape(4, 10)
     expected[:, ::3] *= 6
     for r, base in enumerate(results):
@@ -213,7 +214,7 @@ async def test_all_reduce_rejects_bad_arrays() -> None:
         with pytest.raises(ValueError, match="timeout"):
             await g.all_reduce(np.zeros(2), timeout=0)
 
-    await run_inprocess(2, body)
+    await run_ranks(2, body)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -231,7 +232,7 @@ async def test_reduce_scatter(n: int, algo: str, size: int) -> None:
         assert again is out
         return arr, shard, out
 
-    results = await run_inprocess(n, body, small_message_bytes=ALGOS[algo], segment_bytes=16)
+    results = await run_ranks(n, body, small_message_bytes=ALGOS[algo], segment_bytes=16)
     for r, (arr, shard, out) in enumerate(results):
         np.testing.assert_array_equal(arr, _rank_data(r, (size,)))  # input untouched
         a, b = bounds[r]
@@ -248,7 +249,7 @@ async def test_reduce_scatter_2d_mean(algo: str) -> None:
     async def body(g: Group) -> np.ndarray:
         return await g.reduce_scatter(data[g.rank], ReduceOp.MEAN, timeout=5)
 
-    results = await run_inprocess(n, body, small_message_bytes=ALGOS[algo], segment_bytes=8)
+    results = await run_ranks(n, body, small_message_bytes=ALGOS[algo], segment_bytes=8)
     expected = (sum(data) / n).reshape(-1)
     for r, shard in enumerate(results):
         a, b = chunk_bounds(24, n)[r]
@@ -263,7 +264,7 @@ async def test_reduce_scatter_out_validation() -> None:
         with pytest.raises(ValueError, match="dtype"):
             await g.reduce_scatter(np.zeros(10), out=np.zeros(expected, np.float32))
 
-    await run_inprocess(3, body)
+    await run_ranks(3, body)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -278,7 +279,7 @@ async def test_all_gather_uneven(n: int, algo: str) -> None:
     async def body(g: Group) -> np.ndarray:
         return await g.all_gather(shard(g.rank), timeout=5)
 
-    results = await run_inprocess(n, body, small_message_bytes=ALGOS[algo], segment_bytes=8)
+    results = await run_ranks(n, body, small_message_bytes=ALGOS[algo], segment_bytes=8)
     for result in results:
         assert result.shape == expected.shape
         np.testing.assert_array_equal(result, expected)
@@ -303,8 +304,8 @@ async def test_all_gather_into_out_lands_in_place(n: int, algo: str) -> None:
         np.testing.assert_array_equal(out2, full)
         return out
 
-    for result in await run_inprocess(n, body, small_message_bytes=ALGOS[algo],
-                                      segment_bytes=8):
+    for result in await run_ranks(n, body, small_message_bytes=ALGOS[algo],
+                                  segment_bytes=8):
         np.testing.assert_array_equal(result, full)
 
 
@@ -317,7 +318,7 @@ async def test_all_gather_0d_and_validation() -> None:
             await g.all_gather(np.zeros((2, 2)), out=np.zeros((6, 3)))
         return result
 
-    for result in await run_inprocess(3, body):
+    for result in await run_ranks(3, body):
         np.testing.assert_array_equal(result, [0.0, 1.5, 3.0])
 
 
@@ -329,7 +330,7 @@ async def test_all_gather_mismatched_trailing_dims_fail_on_every_rank() -> None:
         with pytest.raises(CollectiveMismatchError, match="group rank 1"):
             await g.all_gather(shard, timeout=5)
 
-    await run_inprocess(3, body)
+    await run_ranks(3, body)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -343,7 +344,7 @@ async def test_broadcast_from_every_source(n: int, algo: str) -> None:
             results.append(arr)
         return results
 
-    results = await run_inprocess(n, body, small_message_bytes=ALGOS[algo], segment_bytes=10)
+    results = await run_ranks(n, body, small_message_bytes=ALGOS[algo], segment_bytes=10)
     for per_rank in results:
         for src, arr in enumerate(per_rank):
             np.testing.assert_array_equal(arr, np.full((3, 11), src, np.int16))
@@ -354,7 +355,7 @@ async def test_broadcast_validation() -> None:
         with pytest.raises(ValueError, match="outside"):
             await g.broadcast(np.zeros(2), 5)
 
-    await run_inprocess(2, body)
+    await run_ranks(2, body)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -370,7 +371,7 @@ async def test_reduce_to_each_root(n: int, algo: str) -> None:
             results.append(arr)
         return results
 
-    results = await run_inprocess(n, body, small_message_bytes=ALGOS[algo], segment_bytes=8)
+    results = await run_ranks(n, body, small_message_bytes=ALGOS[algo], segment_bytes=8)
     for r, per_rank in enumerate(results):
         for dst, arr in enumerate(per_rank):
             np.testing.assert_array_equal(arr, expected if r == dst else _rank_data(r, (23,)))
@@ -384,7 +385,7 @@ async def test_reduce_mean_and_max() -> None:
         await g.reduce(b, 2, ReduceOp.MAX, timeout=5)
         return a, b
 
-    results = await run_inprocess(4, body)
+    results = await run_ranks(4, body)
     np.testing.assert_array_equal(results[2][0], [2.5, 5.0])
     np.testing.assert_array_equal(results[2][1], [3, 0])
 
@@ -400,7 +401,7 @@ async def test_gather_and_scatter_any_shapes(n: int) -> None:
         mine = await g.scatter(arrays, src=0, timeout=5)
         return gathered, mine
 
-    results = await run_inprocess(n, body)
+    results = await run_ranks(n, body)
     for r, (gathered, mine) in enumerate(results):
         if r == n - 1:
             assert isinstance(gathered, list) and len(gathered) == n
@@ -419,7 +420,7 @@ async def test_scatter_validation() -> None:
             with pytest.raises(ValueError, match="got None"):
                 await g.scatter(None, src=0)
 
-    await run_inprocess(3, body)
+    await run_ranks(3, body)
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -429,7 +430,7 @@ async def test_barrier(n: int) -> None:
             await g.barrier(timeout=5)
         return g.rank
 
-    assert await run_inprocess(n, body) == list(range(n))
+    assert await run_ranks(n, body) == list(range(n))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 6])
@@ -442,7 +443,7 @@ async def test_object_collectives(n: int) -> None:
                                        if g.rank == n - 1 else None, src=n - 1, timeout=5)
         return gathered, got
 
-    for gathered, got in await run_inprocess(n, body):
+    for gathered, got in await run_ranks(n, body):
         assert gathered == [{"rank": r, "name": f"w{r}", "blob": bytes(r), "f": 0.5,
                              "nested": [1, [2, 3], None, True]} for r in range(n)]
         assert got == {"step": 7, "ranks": list(range(n))}
@@ -471,7 +472,7 @@ async def test_object_collectives_refuse_non_msgpack_on_every_rank() -> None:
         # the group still works afterwards
         assert await g.all_gather_object(g.rank, timeout=5) == [0, 1, 2]
 
-    await run_inprocess(3, body)
+    await run_ranks(3, body)
 
 
 @pytest.mark.parametrize("size", [4, 3000])  # checked dtype/shape, pooled scratch
@@ -486,7 +487,7 @@ async def test_mismatched_sizes_are_reported_not_corrupted(size: int) -> None:
             await g.all_reduce(arr, timeout=1)
         return type(info.value).__name__
 
-    results = await run_inprocess(4, body)
+    results = await run_ranks(4, body)
     assert results[2] == results[3] == "CollectiveMismatchError"
 
 
@@ -496,7 +497,7 @@ async def test_group_defaults_and_identity() -> None:
         assert g.rank == g.transport.rank
         return g.group_id, g.timeout
 
-    results = await run_inprocess(3, body, timeout=7.0)
+    results = await run_ranks(3, body, op_timeout=7.0)
     assert {gid for gid, _ in results} == {results[0][0]}
     assert all(t == 7.0 for _, t in results)
 
@@ -533,7 +534,7 @@ async def test_ring_mean_is_the_sum_divided_once(n: int, size: int, dtype: type)
         mean = await g.all_reduce(data[g.rank].copy(), ReduceOp.MEAN, timeout=5)
         return total, mean
 
-    results = await run_inprocess(n, body, small_message_bytes=RING, segment_bytes=8)
+    results = await run_ranks(n, body, small_message_bytes=RING, segment_bytes=8)
     expected = np.divide(results[0][0], n)
     for _, mean in results:
         assert mean.dtype == np.dtype(dtype)

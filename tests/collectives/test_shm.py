@@ -25,7 +25,8 @@ from netdist.transport.shm import (
 )
 from netdist.types import ReduceOp, combine
 
-from .helpers import RING, assert_bitwise_equal, run_inprocess
+from .helpers import RING, assert_bitwise_equal
+from tests.ranks import run_ranks
 
 SLOT = 64 * 1024  # small slots: many rounds, both parities, partial last rounds
 
@@ -155,7 +156,7 @@ async def test_groups_on_one_host_use_shared_memory(data_path: str) -> None:
         await g.all_reduce(np.ones(10_000, np.float32))
         return g.local_mode
 
-    modes = await run_inprocess(3, body, small_message_bytes=RING)
+    modes = await run_ranks(3, body, small_message_bytes=RING)
     expected = LocalMode.SINGLE_HOST if data_path == "shm" else LocalMode.TCP
     assert modes == [expected] * 3
 
@@ -190,7 +191,7 @@ async def test_a_rank_that_cannot_attach_puts_everyone_on_tcp_and_says_why(
         return g.local_mode, array
 
     with caplog.at_level(logging.WARNING, logger="netdist.collectives"):
-        results = await run_inprocess(3, body, small_message_bytes=RING, shared_memory=True)
+        results = await run_ranks(3, body, small_message_bytes=RING, shared_memory=True)
     assert [mode for mode, _ in results] == [LocalMode.TCP] * 3
     assert all(np.array_equal(a, np.full(5000, 6)) for _, a in results)
     warnings = [r.getMessage() for r in caplog.records if "shared memory off" in r.getMessage()]
@@ -218,8 +219,8 @@ async def test_all_reduce_folds_lowest_rank_first_bitwise(n: int, op: ReduceOp) 
         await g.all_reduce(array, op)
         return array
 
-    results = await run_inprocess(n, body, small_message_bytes=RING, shared_memory=True,
-                                  shm_slot_bytes=SLOT)
+    results = await run_ranks(n, body, small_message_bytes=RING, shared_memory=True,
+                              shm_slot_bytes=SLOT)
     assert_bitwise_equal(results)
     expected = _fold(inputs, ReduceOp.SUM if op is ReduceOp.MEAN else op)
     if op is ReduceOp.MEAN:
@@ -239,8 +240,8 @@ async def test_collectives_in_flight_together_take_turns_on_the_slots() -> None:
         works.append(await g.reduce_scatter(arrays[5], async_op=True))
         return [await w for w in works]
 
-    results = await run_inprocess(n, body, small_message_bytes=RING, shared_memory=True,
-                                  shm_slot_bytes=SLOT)
+    results = await run_ranks(n, body, small_message_bytes=RING, shared_memory=True,
+                              shm_slot_bytes=SLOT)
     total = n * (n + 1) // 2
     for rank, got in enumerate(results):
         for k in range(3):
@@ -263,8 +264,8 @@ async def test_bfloat16_mean_through_shared_memory_matches_the_ordered_fold() ->
         await g.all_reduce(array, ReduceOp.MEAN)
         return array
 
-    results = await run_inprocess(3, body, small_message_bytes=RING, shared_memory=True,
-                                  shm_slot_bytes=SLOT)
+    results = await run_ranks(3, body, small_message_bytes=RING, shared_memory=True,
+                              shm_slot_bytes=SLOT)
     summed = bfloat16_to_float32(_fold(inputs, ReduceOp.SUM))
     expected = float32_to_bfloat16(summed / np.float32(3))  # one rounding, as torch divides
     assert_bitwise_equal(results)
@@ -280,8 +281,8 @@ async def test_subgroups_get_their_own_segments() -> None:
         await g.all_reduce(array)
         return array, sub.local_mode
 
-    results = await run_inprocess(4, body, small_message_bytes=RING, shared_memory=True,
-                                  shm_slot_bytes=SLOT)
+    results = await run_ranks(4, body, small_message_bytes=RING, shared_memory=True,
+                              shm_slot_bytes=SLOT)
     # members: 1 + 3 + 4 = 8 after the subgroup; then the world sums 8 + 2 + 8 + 8
     for array, _ in results:
         assert np.array_equal(array, np.full(20_000, 26))

@@ -11,7 +11,8 @@ from netdist.collectives import Group
 from netdist.errors import NetdistTimeoutError, PeerLostError
 from netdist.transport.local import local_tcp_group
 from netdist.types import ReduceOp
-from tests.collectives.helpers import RING, SMALL, assert_bitwise_equal, run_groups
+from tests.collectives.helpers import RING, SMALL, assert_bitwise_equal
+from tests.ranks import run_ranks
 
 ALGOS = {"small": SMALL, "ring": RING}
 
@@ -34,8 +35,8 @@ async def test_tcp_all_reduce(n: int, algo: str) -> None:
         return ints, fl, mx
 
     async with local_tcp_group(n, timeout=20.0) as transports:
-        results = await run_groups(transports, body, small_message_bytes=ALGOS[algo],
-                                   segment_bytes=16 * 1024)
+        results = await run_ranks(transports, body, small_message_bytes=ALGOS[algo],
+                                  segment_bytes=16 * 1024)
     expected = np.sum([data(r) for r in range(n)], axis=0)
     for ints, _, _ in results:
         np.testing.assert_array_equal(ints, expected)
@@ -66,8 +67,8 @@ async def test_tcp_other_collectives(algo: str) -> None:
         return {"gathered": gathered, "rs": rs, "b": b, "r": r, "objs": objs}
 
     async with local_tcp_group(n, timeout=20.0) as transports:
-        results = await run_groups(transports, body, small_message_bytes=ALGOS[algo],
-                                   segment_bytes=8 * 1024)
+        results = await run_ranks(transports, body, small_message_bytes=ALGOS[algo],
+                                  segment_bytes=8 * 1024)
     expected_gather = np.concatenate([np.full((r + 2, 5), r, np.float32) for r in range(n)])
     full = np.arange(40_000, dtype=np.int32) * 6
     from netdist.sharding import chunk_bounds
@@ -93,8 +94,8 @@ async def test_tcp_subgroups_and_async_ops_interleaved() -> None:
         return big, small
 
     async with local_tcp_group(4, timeout=20.0) as transports:
-        results = await run_groups(transports, body, small_message_bytes=1024,
-                                   segment_bytes=64 * 1024)
+        results = await run_ranks(transports, body, small_message_bytes=1024,
+                                  segment_bytes=64 * 1024)
     for rank, (big, small) in enumerate(results):
         np.testing.assert_array_equal(big, np.full(200_000, 6.0))
         assert small[0] == (4.0 if rank in (1, 3) else rank)

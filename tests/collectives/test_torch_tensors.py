@@ -29,7 +29,8 @@ import torch
 from netdist.collectives import Group
 from netdist.sharding import chunk_bounds
 from netdist.types import ReduceOp
-from tests.collectives.helpers import RING, SMALL, run_inprocess
+from tests.collectives.helpers import RING, SMALL
+from tests.ranks import run_ranks
 
 ALGOS = {"small": SMALL, "ring": RING}
 SEGMENT = 64  # bytes: several ring segments per chunk
@@ -51,7 +52,7 @@ def noncontiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def run(n: int, algo: str, body: Callable) -> list:  # type: ignore[type-arg]
-    return run_inprocess(n, body, small_message_bytes=ALGOS[algo], segment_bytes=SEGMENT)
+    return run_ranks(n, body, small_message_bytes=ALGOS[algo], segment_bytes=SEGMENT)
 
 
 # ------------------------------------------------------------------- in-place collectives
@@ -196,7 +197,7 @@ async def test_gather_returns_tensors_on_dst(n: int) -> None:
         t = mine(g.rank)
         return await g.gather(noncontiguous(t) if g.rank else t, 0, timeout=5)
 
-    results = await run_inprocess(n, body)
+    results = await run_ranks(n, body)
     assert all(r is None for r in results[1:])
     gathered = results[0]
     assert [type(t) for t in gathered] == [torch.Tensor] * n
@@ -220,7 +221,7 @@ async def test_scatter_tensors(n: int) -> None:
         assert (await g.scatter(arrays, src, out=out, timeout=5)) is out
         return plain, out
 
-    results = await run_inprocess(n, body)
+    results = await run_ranks(n, body)
     for r, (plain, out) in enumerate(results):
         expected = piece(r).reshape(2, 2)
         if r == src:  # tensors went in here: a tensor comes back
@@ -244,7 +245,7 @@ async def test_all_to_all_tensors(n: int) -> None:
         assert all(a is b for a, b in zip(result, outputs))
         return outputs
 
-    results = await run_inprocess(n, body)
+    results = await run_ranks(n, body)
     for i, outputs in enumerate(results):
         for j, t in enumerate(outputs):
             assert torch.equal(t, block(j, i))
@@ -265,7 +266,7 @@ async def test_send_recv_tensors() -> None:
         assert (await g.recv(0, tag=3, out=bf16, timeout=5)) is bf16
         return out, plain, bf16
 
-    _, (out, plain, bf16) = await run_inprocess(2, body)
+    _, (out, plain, bf16) = await run_ranks(2, body)
     expected = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     assert torch.equal(out, expected)
     assert isinstance(plain, np.ndarray)
@@ -285,7 +286,7 @@ async def test_tensor_off_the_cpu_is_refused_before_anything_is_sent() -> None:
         await g.all_reduce(t, timeout=5)
         assert torch.equal(t, torch.full((3,), 2.0))
 
-    await run_inprocess(2, body)
+    await run_ranks(2, body)
 
 
 async def test_overlapping_tensor_is_refused_in_place() -> None:
@@ -295,7 +296,7 @@ async def test_overlapping_tensor_is_refused_in_place() -> None:
         gathered = await g.all_gather(torch.ones(3).expand(2, 3), timeout=5)  # read only
         assert torch.equal(gathered, torch.ones(4, 3))
 
-    await run_inprocess(2, body)
+    await run_ranks(2, body)
 
 
 # ------------------------------------------- bfloat16 and float16 bitwise against torch

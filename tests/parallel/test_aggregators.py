@@ -4,6 +4,7 @@ training, bitwise-identical ranks, bucketing, fp16 and top-k."""
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import numpy as np
 import pytest
@@ -24,9 +25,11 @@ from netdist.parallel.aggregators import (
 from netdist.train.data import epoch_permutation, iterate_batches, load_digits_dataset, shard_indices
 from netdist.train.losses import softmax_cross_entropy
 from netdist.train.nn import mlp
+from tests.ranks import start_until_blocked
 from netdist.train.optim import SGD
 from netdist.train.step import distributed_train_step
 from netdist.transport.inprocess import InProcessTransport
+from tests import ranks
 
 TIMEOUT = 20.0
 
@@ -35,10 +38,9 @@ def make_groups(n: int) -> list[Group]:
     return [Group(t, timeout=TIMEOUT) for t in InProcessTransport.create_group(n, timeout=TIMEOUT)]
 
 
-async def run_ranks(groups, fn):
-    """Run ``fn(rank, group)`` on every rank concurrently, bounded."""
-    return await asyncio.wait_for(
-        asyncio.gather(*(fn(r, g) for r, g in enumerate(groups))), timeout=60)
+run_ranks = functools.partial(ranks.run_ranks, with_rank=True)
+"""``await run_ranks(groups, fn)``: ``fn(rank, group)`` on every rank concurrently (60 s
+bound); the groups stay open."""
 
 
 # ---------------------------------------------------------------- pure bucket planning
@@ -354,8 +356,7 @@ async def test_concurrent_aggregate_calls_are_refused():
 
     async def rank_main(rank, group):
         agg = AllReduceAggregator(group, bucket_mb=1)
-        first = asyncio.ensure_future(agg.aggregate([np.ones(10)]))
-        await asyncio.sleep(0)  # let the first call start
+        first = await start_until_blocked(agg.aggregate([np.ones(10)]))  # the first call runs
         with pytest.raises(NetdistError, match="still running"):
             await agg.aggregate([np.ones(10)])
         return await first

@@ -4,7 +4,8 @@ cases, memory accounting, clipping, state dicts and failures."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 
 from netdist.collectives import Group
 from netdist.collectives.channel import CollectiveMismatchError
-from netdist.errors import NetdistTimeoutError
+from netdist.errors import FSDPError, NetdistTimeoutError
 from netdist.parallel.flat_param import FlatParamLayout
 from netdist.parallel.fsdp import FSDP, MemoryEstimate, ShardedStateDict, ShardingStrategy
 from netdist.parallel.sharded_optim import ShardedAdam, ShardedSGD
@@ -20,6 +21,7 @@ from netdist.train.losses import softmax_cross_entropy
 from netdist.train.nn import Module, Parameter, Sequential, mlp
 from netdist.train.optim import SGD, Adam
 from netdist.transport.inprocess import InProcessTransport
+from tests import ranks
 
 FULL = ShardingStrategy.FULL_SHARD
 GRAD_OP = ShardingStrategy.SHARD_GRAD_OP
@@ -83,15 +85,9 @@ def make_groups(n: int) -> list[Group]:
     return [Group(t, timeout=TIMEOUT) for t in InProcessTransport.create_group(n, timeout=TIMEOUT)]
 
 
-async def run_ranks(groups: Sequence[Group], fn: Callable[[int, Group], Awaitable[Any]]) -> list[Any]:
-    """``fn(rank, group)`` on every rank concurrently; transports closed afterwards."""
-    try:
-        return await asyncio.wait_for(
-            asyncio.gather(*(fn(r, g) for r, g in enumerate(groups))), timeout=60)
-    finally:
-        for g in groups:
-            await g.aclose()
-            await g.transport.aclose()
+run_ranks = functools.partial(ranks.run_ranks, with_rank=True, close=True)
+"""``await run_ranks(groups, fn)``: ``fn(rank, group)`` on every rank concurrently (60 s
+bound); groups and transports closed afterwards."""
 
 
 def strategy_kwargs(strategy: ShardingStrategy, intra: int | None) -> dict[str, Any]:
@@ -628,7 +624,7 @@ async def test_missing_peer_times_out_and_releases_buffers():
         assert stats.gathered == 0 and stats.grad_buffers == 0
         assert all(p.data.size == 0 for p in fsdp.module.parameters())
         await fsdp.aclose()
-        with pytest.raises(RuntimeError, match="closed"):
+        with pytest.raises(FSDPError, match="closed"):
             await fsdp.forward(np.zeros((1, SIZES[0])))
         return stats
 
@@ -638,9 +634,9 @@ async def test_missing_peer_times_out_and_releases_buffers():
 async def test_backward_needs_a_forward_and_a_step_needs_an_optimizer():
     async def rank_fn(rank: int, group: Group) -> None:
         fsdp = FSDP(make_model(), group, NO, timeout=TIMEOUT)
-        with pytest.raises(RuntimeError, match="no forward context"):
+        with pytest.raises(FSDPError, match="no forward context"):
             await fsdp.backward(np.zeros((1, SIZES[-1])))
-        with pytest.raises(RuntimeError, match="no optimizer"):
+        with pytest.raises(FSDPError, match="no optimizer"):
             await fsdp.step()
         with pytest.raises(ValueError, match="does not come from"):
             await fsdp.backward(np.zeros((1, SIZES[-1])), ctx=[1, 2, 3])

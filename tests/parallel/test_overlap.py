@@ -27,7 +27,8 @@ from netdist.parallel.aggregators import (
 from netdist.transport import local_tcp_group
 from netdist.transport.inprocess import InProcessTransport
 
-from tests.progress.jobs import jobs_of, on_every_rank
+from tests.progress.jobs import jobs_of
+from tests.ranks import on_every_rank
 
 BOUND = 60.0
 """Outer bound on every multi-rank body."""
@@ -270,7 +271,8 @@ async def test_aclose_cancels_buckets_in_flight_and_releases_the_aggregator() ->
 def test_session_through_the_blocking_api() -> None:
     """``job.make`` an aggregator on the progress thread; ``begin``/``finish`` block, and
     the session's own ``ready`` is called straight from the caller's thread."""
-    from tests.progress.jobs import jobs_of, on_every_rank
+    from tests.progress.jobs import jobs_of
+    from tests.ranks import on_every_rank
 
     def rank_main(job: Any) -> list[tuple[str, tuple[int, ...], bytes]]:
         agg = job.make(AllReduceAggregator, job.group, bucket_mb=200 / 2**20)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from netdist.train.losses import mse_loss, softmax_cross_entropy
 from netdist.train.nn import Sequential, mlp
 from netdist.train.optim import SGD, Adam
 from netdist.transport.inprocess import InProcessTransport
+from tests import ranks
 
 SIZES = [6, 16, 12, 10, 3]  # mlp -> 7 layers: L R L R L R L
 NUM_LAYERS = 2 * (len(SIZES) - 1) - 1
@@ -85,14 +87,10 @@ def reference_training(batches: Sequence[tuple[np.ndarray, np.ndarray]],
     return states, losses
 
 
-async def run_ranks(transports: Sequence[Any],
-                    body: Callable[[int, Any], Awaitable[Any]]) -> list[Any]:
-    """Run ``body(rank, transport)`` on every rank concurrently; close all transports."""
-    try:
-        return await asyncio.gather(*(body(t.rank, t) for t in transports))
-    finally:
-        for t in transports:
-            await t.aclose()
+run_ranks = functools.partial(ranks.run_ranks, with_rank=True, as_groups=False, close=True,
+                              guard=110.0)
+"""``await run_ranks(transports, body)``: ``body(rank, transport)`` on every rank
+concurrently, within the test's own time limit; all transports closed afterwards."""
 
 
 async def pipelined_training(transports: Sequence[Any], config: PipelineParallelConfig,

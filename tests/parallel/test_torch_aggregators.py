@@ -11,6 +11,7 @@ a process where ml_dtypes cannot be imported.
 from __future__ import annotations
 
 import asyncio
+import functools
 import subprocess
 import sys
 import textwrap
@@ -30,6 +31,7 @@ from netdist.parallel.aggregators import (
 )
 from netdist.ps import PSClient, PSServer, SGDConfig
 from netdist.transport.inprocess import InProcessTransport
+from tests import ranks
 
 TIMEOUT = 20.0
 BOUND = 60.0
@@ -37,18 +39,10 @@ SUBPROCESS_TIMEOUT = 90.0
 TINY_BUCKETS = 256 / (1 << 20)  # bucket_mb: 256-byte buckets, so several per step
 
 
-async def on_ranks(n: int, fn: Callable[[int, Group], Awaitable[Any]]) -> list[Any]:
-    """Run ``fn(rank, group)`` on ``n`` in-process ranks, bounded; groups closed after."""
-    transports = InProcessTransport.create_group(n, timeout=TIMEOUT)
-    groups = [Group(t, timeout=TIMEOUT) for t in transports]
-    try:
-        async with asyncio.timeout(BOUND):
-            return list(await asyncio.gather(*(fn(r, g) for r, g in enumerate(groups))))
-    finally:
-        for g in groups:
-            await g.aclose()
-        for t in transports:
-            await t.aclose()
+on_ranks = functools.partial(ranks.run_ranks, with_rank=True, op_timeout=TIMEOUT, guard=BOUND,
+                             timeout=TIMEOUT)
+"""``await on_ranks(n, fn)``: ``fn(rank, group)`` on ``n`` in-process ranks (groups with
+``timeout=TIMEOUT``), bounded; groups and transports closed after."""
 
 
 def grads_of(rank: int) -> list[torch.Tensor]:

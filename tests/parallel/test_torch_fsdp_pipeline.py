@@ -15,13 +15,13 @@ The bfloat16 tests run once here and once in a process where ``ml_dtypes`` is hi
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import math
 import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,8 +45,8 @@ from netdist.parallel.stages import (  # noqa: E402
 from netdist.train.losses import softmax_cross_entropy  # noqa: E402
 from netdist.train.nn import mlp  # noqa: E402
 from netdist.train.optim import SGD  # noqa: E402
-from netdist.transport.inprocess import InProcessTransport  # noqa: E402
 from netdist.types import BFLOAT16, BFLOAT16_RAW  # noqa: E402
+from tests import ranks  # noqa: E402
 
 TIMEOUT = 20.0
 WORLD = 2
@@ -187,16 +187,10 @@ def rank_rows(rank: int, rows: int) -> slice:
     return slice(rank * rows, (rank + 1) * rows)
 
 
-async def on_ranks(n: int, fn: Callable[[int, Group], Awaitable[Any]]) -> list[Any]:
-    transports = InProcessTransport.create_group(n, timeout=TIMEOUT)
-    groups = [Group(t, timeout=TIMEOUT) for t in transports]
-    try:
-        return await asyncio.wait_for(asyncio.gather(*(fn(r, g) for r, g in enumerate(groups))),
-                                      60)
-    finally:
-        for g in groups:
-            await g.aclose()
-            await g.transport.aclose()
+on_ranks = functools.partial(ranks.run_ranks, with_rank=True, op_timeout=TIMEOUT,
+                             timeout=TIMEOUT)
+"""``await on_ranks(n, fn)``: ``fn(rank, group)`` on ``n`` in-process ranks (groups with
+``timeout=TIMEOUT``), within 60 s; everything closed after."""
 
 
 # -- FSDP: a NumPy model fed tensors -----------------------------------------------------------
@@ -415,14 +409,10 @@ async def test_fsdp_refuses_unusable_tensors_naming_them() -> None:
 
 # -- pipeline: a NumPy model fed tensors -------------------------------------------------------
 
-async def pipeline_ranks(n: int, body: Callable[[int, Any], Awaitable[Any]]) -> list[Any]:
-    transports = InProcessTransport.create_group(n, timeout=TIMEOUT)
-    try:
-        return await asyncio.wait_for(asyncio.gather(*(body(t.rank, t) for t in transports)),
-                                      60)
-    finally:
-        for t in transports:
-            await t.aclose()
+pipeline_ranks = functools.partial(ranks.run_ranks, with_rank=True, as_groups=False,
+                                   op_timeout=TIMEOUT)
+"""``await pipeline_ranks(n, body)``: ``body(rank, transport)`` on ``n`` in-process ranks,
+within 60 s; transports closed after."""
 
 
 async def pipeline_numpy_model(as_tensors: bool, schedule: str) -> list[Any]:

@@ -1,4 +1,7 @@
-"""Helpers: n blocking ``Job``s in one process, each joined from its own thread over TCP."""
+"""Helpers: n blocking ``Job``s in one process, each joined from its own thread over TCP.
+
+Drive them with ``tests.ranks.on_every_rank`` (one thread per rank).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import concurrent.futures
 import contextlib
 import secrets
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from netdist.config import DistributedConfig
@@ -61,10 +64,3 @@ def jobs_of(n: int, **overrides: Any) -> Iterator[list[Job]]:
     finally:
         for job in jobs:
             job.close()
-
-
-def on_every_rank(jobs: list[Job], fn: Callable[[Job], Any]) -> list[Any]:
-    """Run ``fn(job)`` for every job, each in its own thread, like separate processes."""
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        futures = [pool.submit(fn, job) for job in jobs]
-        return [f.result(JOIN_SECONDS) for f in futures]

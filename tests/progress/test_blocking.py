@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from netdist.collectives import Group
-from netdist.transport import local_tcp_group
 from netdist.types import ReduceOp
 
-from tests.progress.jobs import JOIN_SECONDS, jobs_of, on_every_rank, progress_threads
+from tests.progress.jobs import JOIN_SECONDS, jobs_of, progress_threads
+from tests.ranks import on_every_rank, run_ranks
 
 Step = tuple[str, tuple[Any, ...], dict[str, Any]]
 
@@ -66,10 +66,7 @@ async def run_asyncio(n: int) -> list[list[Any]]:
             results.append(comparable(result))
         return results
 
-    async with local_tcp_group(n) as transports:
-        groups = [Group(t) for t in transports]
-        async with asyncio.timeout(JOIN_SECONDS):
-            return list(await asyncio.gather(*(rank_body(g) for g in groups)))
+    return await run_ranks(n, rank_body, tcp=True, op_timeout=30.0, guard=JOIN_SECONDS)
 
 
 def run_blocking(n: int) -> list[list[Any]]:

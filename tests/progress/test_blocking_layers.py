@@ -20,21 +20,14 @@ from netdist.parallel.fsdp import FSDP, ShardingStrategy
 from netdist.progress import Job
 from netdist.ps import ColocatedPS, SGDConfig
 from netdist.train import SGD, mlp, softmax_cross_entropy
-from netdist.transport import local_tcp_group
 
-from tests.progress.jobs import JOIN_SECONDS, jobs_of, on_every_rank, progress_threads
+from tests.progress.jobs import JOIN_SECONDS, jobs_of, progress_threads
+from tests.ranks import on_every_rank, run_ranks
 
 
 def gradients(rank: int) -> list[np.ndarray]:
     rng = np.random.default_rng(rank)
     return [rng.standard_normal(s).astype(np.float32) for s in (3, 1000, 50_000, 7)]
-
-
-async def asyncio_ranks(n: int, body: Any) -> list[Any]:
-    async with local_tcp_group(n) as transports:
-        groups = [Group(t) for t in transports]
-        async with asyncio.timeout(JOIN_SECONDS):
-            return list(await asyncio.gather(*(body(g) for g in groups)))
 
 
 def test_aggregators_through_the_blocking_api_equal_the_asyncio_api() -> None:
@@ -54,7 +47,7 @@ def test_aggregators_through_the_blocking_api_equal_the_asyncio_api() -> None:
                 out.append([g.tobytes() for g in agg.aggregate(gradients(job.rank))])
         return out
 
-    expected = asyncio.run(asyncio_ranks(3, reference))
+    expected = asyncio.run(run_ranks(3, reference, tcp=True, op_timeout=30.0, guard=JOIN_SECONDS))
     with jobs_of(3) as jobs:
         assert on_every_rank(jobs, blocking) == expected
     assert progress_threads() == []
@@ -112,7 +105,7 @@ def test_fsdp_through_the_blocking_api_equals_the_asyncio_api_bitwise() -> None:
             full = fsdp.full_state_dict(rank0_only=False)
         return {k: v.tobytes() for k, v in full.items()}
 
-    expected = asyncio.run(asyncio_ranks(2, reference))
+    expected = asyncio.run(run_ranks(2, reference, tcp=True, op_timeout=30.0, guard=JOIN_SECONDS))
     with jobs_of(2) as jobs:
         assert on_every_rank(jobs, blocking) == expected
     assert progress_threads() == []

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import functools
+from collections.abc import Sequence
 from typing import Any
 
+from tests.ranks import gather_ranks
 
-async def run_ranks(fns: Sequence[Callable[[], Awaitable[Any]]], *,
-                    timeout: float = 30.0) -> list[Any]:
-    """Run one coroutine per rank concurrently; results or exceptions, in rank order."""
-    async with asyncio.timeout(timeout):
-        return await asyncio.gather(*(fn() for fn in fns), return_exceptions=True)
+run_ranks = functools.partial(gather_ranks, guard=30.0, return_exceptions=True)
+"""``await run_ranks([body, ...])``: one zero-argument coroutine function per rank (servers
+and workers alike), run concurrently within 30 s; results or exceptions, in rank order."""
 
 
 def raise_any(results: Sequence[Any]) -> None:

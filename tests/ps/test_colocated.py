@@ -14,9 +14,9 @@ from netdist.ps import (
     ColocatedPS,
     ServerOptimizerAggregator,
     SGDConfig,
-    demo_update_path,
     max_staleness_from_env,
 )
+from netdist.train.ps_paths import demo_update_path
 from netdist.transport import InProcessTransport
 from tests.ps._model import init_mlp, mse_grads, regression_data
 from tests.ps.conftest import raise_any, run_ranks

@@ -399,6 +399,26 @@ def test_segments_send_big_slices_alone_and_pack_small_ones() -> None:
     assert plan_segments(plan_shards(specs[:1], 1), 0)[0].direct is False
 
 
+def test_one_packer_cuts_segments_and_pieces() -> None:
+    from netdist.ps.state import Run, pack_runs
+
+    # 8-byte items: 1000 elements reach direct_bytes=8000; small runs break on dtype
+    runs = pack_runs([3, 1000, 2, 2, 5, 1001], ["float64"] * 4 + ["float32", "float64"],
+                     direct_bytes=8000)
+    assert runs == (Run(((0, 0, 3),), False), Run(((1, 0, 1000),), True),
+                    Run(((2, 0, 2), (3, 0, 2)), False), Run(((4, 0, 5),), False),
+                    Run(((5, 0, 1001),), True))
+    assert [r.size for r in runs] == [3, 1000, 4, 5, 1001]
+    # with chunk_bytes: direct items in balanced chunks, packed runs capped
+    chunked = pack_runs([3, 1000, 2, 2], ["float64"] * 4, direct_bytes=8000, chunk_bytes=3200)
+    assert [r.parts for r in chunked] == [((0, 0, 3),), ((1, 0, 334),), ((1, 334, 667),),
+                                          ((1, 667, 1000),), ((2, 0, 2), (3, 0, 2))]
+    capped = pack_runs([3, 2, 2], ["float64"] * 3, direct_bytes=8000, chunk_bytes=40)
+    assert [r.parts for r in capped] == [((0, 0, 3), (1, 0, 2)), ((2, 0, 2),)]  # 40 fits
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        pack_runs([1], ["float64"], direct_bytes=8, chunk_bytes=0)
+
+
 def test_pieces_cover_every_tensor_once_in_order() -> None:
     from netdist.ps.state import plan_pieces
 

@@ -12,6 +12,7 @@ from netdist.ps import ParameterServer
 from netdist.transport import InProcessTransport
 from tests.ps._model import init_mlp, mse_grads, regression_data
 from tests.ps.conftest import raise_any, run_ranks
+from tests.ranks import start_until_blocked
 
 STEPS = 20
 BATCH = 8
@@ -205,8 +206,7 @@ async def test_silent_worker_times_out_and_others_are_told() -> None:
 async def test_concurrent_rounds_are_rejected() -> None:
     transports = InProcessTransport.create_group(2, timeout=5.0)
     ps = ParameterServer(transports[1])
-    first = asyncio.ensure_future(ps.reduce_gradients([np.ones(3)]))
-    await asyncio.sleep(0)
+    first = await start_until_blocked(ps.reduce_gradients([np.ones(3)]))
     with pytest.raises(ParameterServerError, match="one at a time"):
         await ps.reduce_gradients([np.ones(3)])
     first.cancel()

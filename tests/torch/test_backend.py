@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.ranks import finish_ranks, free_port, start_processes
 
 pytestmark = pytest.mark.slow
 
@@ -25,32 +25,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BOUND = 150.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_ranks(scenario: str, backend: str, world: int, out: Path,
+def run_scenario(scenario: str, backend: str, world: int, out: Path,
               env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess[str]]:
-    """Start ``world`` worker processes, wait (bounded) and return their results."""
-    port = _free_port()
-    full_env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), **(env or {}))
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, backend, str(r),
-                               str(world), str(port), str(out)], env=full_env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
-    results = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=BOUND)
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode,
-                                                       stdout, stderr))
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(timeout=10)
-    return results
+    """``backend_worker.py`` running ``scenario`` on ``world`` rank processes, waited for
+    (bounded); how each ended."""
+    port = free_port()
+    procs = start_processes([[str(WORKER), scenario, backend, str(r), str(world), str(port),
+                              str(out)] for r in range(world)],
+                            env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), **(env or {})),
+                            merge_stderr=False)
+    return finish_ranks(procs, BOUND)
 
 
 def _load(out: Path, scenario: str, backend: str, world: int) -> list[dict[str, Any]]:
@@ -61,7 +45,7 @@ def _load(out: Path, scenario: str, backend: str, world: int) -> list[dict[str, 
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_op_and_dtype_matches_gloo(tmp_path: Path, world: int) -> None:
     for backend in ("gloo", "netdist"):
-        results = run_ranks("ops", backend, world, tmp_path)
+        results = run_scenario("ops", backend, world, tmp_path)
         assert [r.returncode for r in results] == [0] * world, \
             "\n".join(r.stderr[-3000:] for r in results)
     gloo, ours = _load(tmp_path, "ops", "gloo", world), _load(tmp_path, "ops", "netdist", world)
@@ -95,7 +79,7 @@ def test_every_op_and_dtype_matches_gloo(tmp_path: Path, world: int) -> None:
 
 
 def test_a_lost_peer_is_a_dist_network_error_naming_it(tmp_path: Path) -> None:
-    results = run_ranks("peer_dies", "netdist", 2, tmp_path)
+    results = run_scenario("peer_dies", "netdist", 2, tmp_path)
     assert results[1].returncode == 3
     report = json.loads((tmp_path / "peer_dies-netdist-0.json").read_text())
     assert report["type"] == "NetdistNetworkError", report
@@ -104,7 +88,7 @@ def test_a_lost_peer_is_a_dist_network_error_naming_it(tmp_path: Path) -> None:
 
 
 def test_the_process_group_timeout_bounds_a_collective(tmp_path: Path) -> None:
-    results = run_ranks("peer_stalls", "netdist", 2, tmp_path, env={"TEST_PG_TIMEOUT": "3"})
+    results = run_scenario("peer_stalls", "netdist", 2, tmp_path, env={"TEST_PG_TIMEOUT": "3"})
     assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
     report = _load(tmp_path, "peer_stalls", "netdist", 2)[0]
     assert report["type"] == "NetdistTimeout", report
@@ -115,7 +99,7 @@ def test_the_process_group_timeout_bounds_a_collective(tmp_path: Path) -> None:
 def test_ddp_backward_raises_netdists_error_when_a_peer_dies(tmp_path: Path) -> None:
     """DDP's C++ reducer reads the backend's futures: a failed all-reduce must reach
     backward() as an error carrying netdist's message, not as an unreadable value."""
-    results = run_ranks("ddp_peer_dies", "netdist", 2, tmp_path)
+    results = run_scenario("ddp_peer_dies", "netdist", 2, tmp_path)
     assert results[1].returncode == 3
     report = json.loads((tmp_path / "ddp_peer_dies-netdist-0.json").read_text())
     assert report["step"] == 2, report
@@ -127,7 +111,7 @@ def test_ddp_backward_raises_netdists_error_when_a_peer_dies(tmp_path: Path) -> 
 def test_bfloat16_reductions_match_torch_with_or_without_ml_dtypes(
         tmp_path: Path, hide_ml_dtypes: bool) -> None:
     env = {"HIDE_ML_DTYPES": "1"} if hide_ml_dtypes else {}
-    results = run_ranks("bf16", "netdist", 2, tmp_path, env=env)
+    results = run_scenario("bf16", "netdist", 2, tmp_path, env=env)
     assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
     for report in _load(tmp_path, "bf16", "netdist", 2):
         assert report == {"ml_dtypes": not hide_ml_dtypes, "SUM": True, "MAX": True}
@@ -164,19 +148,13 @@ def test_a_failure_prints_the_one_real_error_and_no_asyncio_noise(scenario: str)
     """Rank 1 dies; rank 0's error escapes to the interpreter, which exits normally
     (garbage-collecting every future): its stderr holds netdist's error once and no
     "Future/Task exception was never retrieved" from asyncio."""
-    port = str(_free_port())
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    procs = [subprocess.Popen([sys.executable, "-c", FAILING_RUN, str(r), port, scenario],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in range(2)]
-    try:
-        outcomes = [proc.communicate(timeout=BOUND) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(timeout=10)
-    assert [p.returncode for p in procs] == [1, 3], [err[-3000:] for _, err in outcomes]
-    stderr = outcomes[0][1]
+    port = str(free_port())
+    procs = start_processes([["-c", FAILING_RUN, str(r), port, scenario] for r in range(2)],
+                            env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+                            merge_stderr=False)
+    outcomes = finish_ranks(procs, BOUND)
+    assert [p.returncode for p in outcomes] == [1, 3], [p.stderr[-3000:] for p in outcomes]
+    stderr = outcomes[0].stderr
     assert "never retrieved" not in stderr, stderr
     final = [line for line in stderr.splitlines()
              if "netdist.torch.errors.NetdistNetworkError: " in line]

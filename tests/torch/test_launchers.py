@@ -12,12 +12,13 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.ranks import finish_ranks, free_port, start_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BOUND = 120.0  # every launcher run is killed after this many seconds
@@ -62,12 +63,6 @@ with open(os.path.join(sys.argv[1], f"ddp-{rank}.json"), "w") as f:
                "local_rank": os.environ.get("LOCAL_RANK"), "weights": weights}, f)
 dist.destroy_process_group()
 '''
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -118,7 +113,7 @@ def test_torchrun_standalone_runs_a_netdist_script(tmp_path: Path) -> None:
 def test_torchrun_with_a_fixed_master_runs_a_netdist_script(tmp_path: Path) -> None:
     """The line that failed before: netdist's coordinator must not take torchrun's store port."""
     script = _script(tmp_path, "job.py", NETDIST_SCRIPT)
-    port = _free_port()
+    port = free_port()
     _run([*_torchrun(), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
           "127.0.0.1", "--master-port", str(port), str(script), str(tmp_path)],
          _env(NETDIST_TOKEN=secrets.token_hex(16)))
@@ -150,20 +145,14 @@ def test_slurm_environment_runs_ddp_on_netdist(tmp_path: Path) -> None:
         'dist.init_process_group("netdist")',
         'dist.init_process_group("netdist", init_method="env://", '
         'rank=int(os.environ["SLURM_PROCID"]), world_size=int(os.environ["SLURM_NTASKS"]))'))
-    master, coordinator = _free_port(), _free_port()
+    master, coordinator = free_port(), free_port()
     base = _env(SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost",
                 NETDIST_COORDINATOR=f"127.0.0.1:{coordinator}",
                 NETDIST_TOKEN=secrets.token_hex(32), MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(master))
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)],
-                              env=dict(base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    try:
-        outputs = [proc.communicate(timeout=BOUND) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
+    procs = start_processes([[str(script), str(tmp_path)]] * 2, merge_stderr=False,
+                            env=lambda r: dict(base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)))
+    outputs = [(p.stdout, p.stderr) for p in finish_ranks(procs, BOUND)]
     assert [proc.returncode for proc in procs] == [0, 0], outputs
     _assert_ddp(_results(tmp_path, "ddp", 2), 2)
 
@@ -174,7 +163,7 @@ def test_mpirun_line_runs_a_netdist_script(tmp_path: Path) -> None:
     installs Open MPI; elsewhere the test says what is missing instead of skipping."""
     assert shutil.which("mpirun") is not None, "needs Open MPI's mpirun (apt install openmpi-bin)"
     script = _script(tmp_path, "job.py", NETDIST_SCRIPT)
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     _run(["mpirun", *root, "--oversubscribe", "-n", "2", "-x", f"NETDIST_COORDINATOR={coordinator}",
           "-x", "NETDIST_TOKEN", "-x", "PYTHONPATH", sys.executable, str(script), str(tmp_path)],

@@ -21,19 +21,18 @@ collective fails the test instead of hanging it.
 from __future__ import annotations
 
 import datetime
-import os
-import socket
-import sys
-import traceback
-from collections.abc import Callable, Sequence
-from multiprocessing.connection import wait
+from collections.abc import Callable
 from pathlib import Path
-from time import monotonic
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.ranks import RankError, free_port, run_spawned
+
+__all__ = ["RankError", "free_port", "run_ranks", "init_process_group", "assert_bitwise_equal",
+           "synthetic_classification", "train_steps", "CANDIDATE", "RUN_TIMEOUT",
+           "COLLECTIVE_TIMEOUT", "TEST_TIMEOUT"]
 
 #: the backend every test compares with the reference run on ``"gloo"``
 CANDIDATE = "netdist"
@@ -48,14 +47,6 @@ COLLECTIVE_TIMEOUT = 75.0
 TEST_TIMEOUT = 2 * RUN_TIMEOUT + 30.0
 #: seconds the surviving ranks get to finish (or fail) after one rank failed
 GRACE_AFTER_FAILURE = 5.0
-
-
-class RankError(AssertionError):
-    """One or more rank processes failed, crashed or were killed on timeout.
-
-    Subclasses ``AssertionError`` so pytest shows it as a test failure with the message
-    (every failing rank's traceback) in full.
-    """
 
 
 def synthetic_classification(batches: int, batch_size: int, features: int = 64,
@@ -116,13 +107,6 @@ def _bitwise(actual: Any, expected: Any, what: str, path: str) -> None:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago (bound with port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def init_process_group(rank: int, world_size: int, backend: str, init_method: str) -> None:
     """Join the process group the way a plain torch script would, with a bounded timeout.
 
@@ -136,48 +120,22 @@ def init_process_group(rank: int, world_size: int, backend: str, init_method: st
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
 
 
-def _child(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
-           init_method: str, out_dir: str, kwargs: dict[str, Any]) -> None:
-    """Body of one rank process: run ``fn``, save its result or its traceback, exit.
+def _torch_rank(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
+                init_method: str, out_dir: str, kwargs: dict[str, Any]) -> None:
+    """Body of one rank process: run ``fn``, leave the process group, save the result.
 
-    The process ends with ``os._exit`` once its outcome is on disk: a full interpreter
-    shutdown of a torch process takes seconds on a loaded machine and adds nothing.
+    A failure (its traceback in ``rank<r>.err``) and the exit are ``run_spawned``'s.
     """
+    # One intra-op thread per process: 2-core machines, and both runs must take the same
+    # floating-point paths for the bitwise comparisons.
+    torch.set_num_threads(1)
+    result = fn(rank, world_size, backend, init_method, out_dir, **kwargs)
+    if dist.is_initialized():
+        dist.destroy_process_group()
     out = Path(out_dir)
-    code = 1
-    try:
-        # One intra-op thread per process: 2-core machines, and both runs must take the
-        # same floating-point paths for the bitwise comparisons.
-        torch.set_num_threads(1)
-        result = fn(rank, world_size, backend, init_method, out_dir, **kwargs)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        tmp = out / f"rank{rank}.pt.tmp"
-        torch.save(result, tmp)
-        tmp.rename(out / f"rank{rank}.pt")
-        code = 0
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _errors(out_dir: Path, world_size: int, exitcodes: Sequence[int | None],
-            killed: Sequence[int]) -> str:
-    """Describe every rank that did not succeed, with its traceback when it left one."""
-    parts = []
-    for rank in range(world_size):
-        err = out_dir / f"rank{rank}.err"
-        code = exitcodes[rank]
-        if err.exists():
-            parts.append(f"--- rank {rank} (exit code {code}) raised:\n{err.read_text()}")
-        elif rank in killed:
-            parts.append(f"--- rank {rank} was still running and was killed")
-        elif code != 0:
-            parts.append(f"--- rank {rank} died with exit code {code} (no traceback)")
-    return "\n".join(parts)
+    tmp = out / f"rank{rank}.pt.tmp"
+    torch.save(result, tmp)
+    tmp.rename(out / f"rank{rank}.pt")
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, backend: str, out_dir: Path,
@@ -189,42 +147,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, backend: str, out_dir: Pa
     the function may leave files there, e.g. a checkpoint).  Returns the list of return
     values, indexed by rank.  Raises :class:`RankError` with every failing child's
     traceback if any child raises, dies, or the run exceeds ``timeout`` seconds; no child
-    outlives this call.
+    outlives this call (``tests.ranks.run_spawned`` starts and watches the processes).
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    ctx = mp.start_processes(_child, args=(fn, world_size, backend, init_method,
-                                           str(out_dir), kwargs),
-                             nprocs=world_size, join=False, start_method="spawn")
-    procs = ctx.processes
-    deadline = monotonic() + timeout
-    reason = ""
-    killed: list[int] = []
-    try:
-        pending = list(procs)
-        while pending:
-            left = deadline - monotonic()
-            if left <= 0:
-                reason = reason or f"timed out after {timeout:.0f} s"
-                break
-            wait([p.sentinel for p in pending], timeout=left)
-            pending = [p for p in pending if p.exitcode is None]
-            if not reason and any(p.exitcode not in (None, 0) for p in procs):
-                reason = "a rank failed"
-                # Let the others fail (or finish) on their own so their tracebacks show.
-                deadline = min(deadline, monotonic() + GRACE_AFTER_FAILURE)
-    finally:
-        for rank, p in enumerate(procs):
-            if p.exitcode is None:
-                killed.append(rank)
-                p.kill()
-        for p in procs:
-            p.join(10.0)
-    exitcodes = [p.exitcode for p in procs]
-    if reason or any(code != 0 for code in exitcodes):
-        raise RankError(f"{backend} run of {fn.__name__} on {world_size} ranks: "
-                        f"{reason or 'a rank failed'}\n"
-                        f"{_errors(out_dir, world_size, exitcodes, killed)}")
+    run_spawned(_torch_rank, world_size, out_dir,
+                args=(fn, world_size, backend, init_method, str(out_dir), kwargs),
+                timeout=timeout, grace=GRACE_AFTER_FAILURE,
+                what=f"{backend} run of {fn.__name__} on {world_size} ranks")
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=True)
             for rank in range(world_size)]
 

@@ -18,15 +18,15 @@ from netdist.cli.worker import add_training_flags, config_from_args, training_ar
 from netdist.errors import ConfigError
 from netdist.train.demo import DemoConfig, DemoResult, train_worker, update_factories
 from netdist.transport.inprocess import InProcessTransport
+from tests.ranks import run_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 async def run_job(n: int, config: DemoConfig, lines: list[str] | None = None) -> list[DemoResult]:
-    transports = InProcessTransport.create_group(n, timeout=30.0)
     log = lines.append if lines is not None else None
-    return await asyncio.wait_for(
-        asyncio.gather(*(train_worker(t, config, log=log) for t in transports)), timeout=100)
+    return await run_ranks(n, lambda t: train_worker(t, config, log=log), as_groups=False,
+                           op_timeout=30.0, guard=100)
 
 
 @pytest.mark.parametrize("aggregator", ["ring", "topk"])
@@ -195,10 +195,9 @@ async def test_serving_rank_hook():
 
 async def run_job_errors(n: int, config: DemoConfig, lines: list[str]) -> list[BaseException]:
     """Run every rank to the end; return what each raised (all must raise)."""
-    transports = InProcessTransport.create_group(n, timeout=30.0)
-    results = await asyncio.wait_for(asyncio.gather(
-        *(train_worker(t, config, log=lines.append) for t in transports),
-        return_exceptions=True), timeout=100)
+    results = await run_ranks(n, lambda t: train_worker(t, config, log=lines.append),
+                              as_groups=False, op_timeout=30.0, guard=100,
+                              return_exceptions=True)
     assert all(isinstance(r, BaseException) for r in results), results
     return [r for r in results if isinstance(r, BaseException)]
 

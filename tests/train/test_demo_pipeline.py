@@ -28,6 +28,7 @@ from netdist.train.demo import (
     train_worker,
 )
 from netdist.transport.inprocess import InProcessTransport
+from tests.ranks import run_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,10 +37,9 @@ EPOCH_LINE = (r"epoch +\d+/\d+  step +\d+/\d+  loss \d+\.\d{4}  samples/s [\d,]+
 
 
 async def run_job(n: int, config: DemoConfig, lines: list[str] | None = None) -> list[DemoResult]:
-    transports = InProcessTransport.create_group(n, timeout=30.0)
     log = lines.append if lines is not None else None
-    return await asyncio.wait_for(
-        asyncio.gather(*(train_worker(t, config, log=log) for t in transports)), timeout=100)
+    return await run_ranks(n, lambda t: train_worker(t, config, log=log), as_groups=False,
+                           op_timeout=30.0, guard=100)
 
 
 # The digits split keeps 1438 training samples: 45 batches of 32 (the last of 30 rows),

@@ -29,7 +29,8 @@ from netdist.train.step import distributed_train_step
 from netdist.transport import local_tcp_group
 from netdist.transport.inprocess import InProcessTransport
 
-from tests.progress.jobs import JOIN_SECONDS, jobs_of, on_every_rank, progress_threads
+from tests.progress.jobs import JOIN_SECONDS, jobs_of, progress_threads
+from tests.ranks import on_every_rank
 
 BOUND = 60.0
 SIZES = [12, 24, 16, 8, 5]

@@ -26,6 +26,7 @@ from netdist.transport.blame import (
     read_farewell,
 )
 from netdist.wire import FrameKind, encode_control
+from tests.ranks import start_until_blocked
 
 WAIT = 10.0
 """Bound on every receive in these tests (the failures under test arrive at once)."""
@@ -40,8 +41,7 @@ async def lost_while_waiting(transport, src: int, tag: int = 7) -> PeerLostError
 
 async def waiting(transport, src: int, tag: int = 7) -> asyncio.Task[PeerLostError]:
     """A task waiting on a receive from ``src``, posted before this returns."""
-    task = asyncio.ensure_future(lost_while_waiting(transport, src, tag))
-    await asyncio.sleep(0)  # one loop turn runs the task up to its first wait (no timing)
+    task = await start_until_blocked(lost_while_waiting(transport, src, tag))
     assert transport._mailboxes[src].has_posted(tag)
     return task
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.transport.ranks import RankProcess, start_ranks
+from tests.ranks import RankProcess, start_ranks
 
 VICTIM = 2
 WAIT = 60.0

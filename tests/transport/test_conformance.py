@@ -18,6 +18,7 @@ from netdist.errors import (
     TransportClosedError,
 )
 from netdist.transport import Transport
+from tests.ranks import start_until_blocked
 
 
 async def test_rank_and_world_size(make_group):
@@ -81,8 +82,7 @@ async def test_interleaved_tags_are_independent(make_group):
 
 async def test_receives_posted_on_several_tags_before_sends(make_group):
     a, b = await make_group(2)
-    tasks = [asyncio.create_task(b.recv(0, tag=tag)) for tag in (7, 3, 9)]
-    await asyncio.sleep(0)
+    tasks = [await start_until_blocked(b.recv(0, tag=tag)) for tag in (7, 3, 9)]  # posted
     for tag in (9, 7, 3):
         await a.send(1, np.full(4, tag, np.int16), tag=tag)
     results = await asyncio.gather(*tasks)
@@ -101,8 +101,7 @@ async def test_large_tags(make_group):
 async def test_out_receive_lands_in_the_given_buffer_when_posted_first(make_group):
     a, b = await make_group(2)
     out = np.zeros((64, 33), np.float32)
-    pending = asyncio.create_task(b.recv(0, tag=4, out=out))
-    await asyncio.sleep(0)
+    pending = await start_until_blocked(b.recv(0, tag=4, out=out))  # posted: lands in out
     data = np.arange(64 * 33, dtype=np.float32).reshape(64, 33)
     await a.send(1, data, tag=4)
     result = await pending
@@ -267,8 +266,7 @@ async def test_default_timeout_comes_from_the_transport(make_group):
 
 async def test_cancelled_recv_keeps_the_message_for_the_next_recv(make_group):
     a, b = await make_group(2)
-    task = asyncio.create_task(b.recv(0, tag=3))
-    await asyncio.sleep(0)
+    task = await start_until_blocked(b.recv(0, tag=3))  # posted, then cancelled
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -278,8 +276,7 @@ async def test_cancelled_recv_keeps_the_message_for_the_next_recv(make_group):
 
 async def test_peer_close_fails_pending_and_later_operations_naming_the_rank(make_group):
     a, b, c = await make_group(3)
-    pending = asyncio.create_task(a.recv(1, tag=0, timeout=5.0))
-    await asyncio.sleep(0)
+    pending = await start_until_blocked(a.recv(1, tag=0, timeout=5.0))  # waiting on rank 1
     await b.aclose()
     with pytest.raises(PeerLostError, match="rank 1") as info:
         await pending
@@ -321,8 +318,7 @@ async def test_operations_after_aclose_raise_transport_closed(make_group):
 
 async def test_own_close_fails_pending_recv_with_transport_closed(make_group):
     a, _ = await make_group(2)
-    pending = asyncio.create_task(a.recv(1, tag=0, timeout=5.0))
-    await asyncio.sleep(0)
+    pending = await start_until_blocked(a.recv(1, tag=0, timeout=5.0))  # posted
     await a.aclose()
     with pytest.raises(TransportClosedError):
         await pending
@@ -338,8 +334,7 @@ async def test_aclose_is_idempotent(make_group):
 
 async def test_aclose_completes_under_cancellation(make_group):
     a, b = await make_group(2)
-    closing = asyncio.create_task(a.aclose())
-    await asyncio.sleep(0)
+    closing = await start_until_blocked(a.aclose())  # mid-close (TCP) or done (in-process)
     closing.cancel()
     try:
         await closing
@@ -354,14 +349,15 @@ async def test_aclose_completes_under_cancellation(make_group):
 async def test_wrong_out_size_raises_and_the_connection_survives(make_group):
     a, b = await make_group(2)
     # posted receive with a wrong-sized buffer
-    pending = asyncio.create_task(b.recv(0, tag=1, out=np.empty(3, np.float64)))
-    await asyncio.sleep(0)
+    pending = await start_until_blocked(b.recv(0, tag=1, out=np.empty(3, np.float64)))
     await a.send(1, np.arange(4, dtype=np.float64), tag=1)
     with pytest.raises(LocalProtocolError, match=r"rank 0 \(tag 1\).*32"):
         await pending
     # unexpected message received into a wrong-sized buffer
     await a.send(1, np.arange(5, dtype=np.float64), tag=2)
-    await asyncio.sleep(0)
+    # it has arrived once a message rank 0 sent after it has: one ordered stream per pair
+    await a.send(1, np.zeros(1), tag=6)
+    await b.recv(0, tag=6)
     with pytest.raises(LocalProtocolError, match="40"):
         await b.recv(0, tag=2, out=np.empty(2, np.float64))
     # the connection still works both ways

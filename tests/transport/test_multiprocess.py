@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.transport.ranks import RankProcess, start_ranks
+from tests.ranks import RankProcess, start_ranks
 
 pytestmark = pytest.mark.slow
 

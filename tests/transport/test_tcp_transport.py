@@ -17,6 +17,7 @@ from netdist.errors import (
 )
 from netdist.transport import TcpTransport, init
 from netdist.wire import encode_data
+from tests.ranks import start_until_blocked
 
 
 @pytest.mark.slow
@@ -24,8 +25,7 @@ async def test_64_mib_transfer_lands_exactly_in_out(tcp_group):
     a, b = await tcp_group(2)
     data = np.random.default_rng(0).standard_normal(16 * 1024 * 1024).astype(np.float32)
     out = np.zeros_like(data)
-    pending = asyncio.create_task(b.recv(0, tag=3, out=out))
-    await asyncio.sleep(0)
+    pending = await start_until_blocked(b.recv(0, tag=3, out=out))
     await a.send(1, data, tag=3)
     assert await pending is out
     np.testing.assert_array_equal(out, data)

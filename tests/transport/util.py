@@ -1,13 +1,7 @@
-"""Small helpers for the transport tests."""
+"""Small helpers for the transport tests (``free_port`` lives in ``tests/ranks.py``)."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
+from tests.ranks import free_port
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for coordinators in tests)."""
-    with contextlib.closing(socket.socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["free_port"]
