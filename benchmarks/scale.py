@@ -67,26 +67,6 @@ POLL_SECONDS = 0.1
 # -- ranks ------------------------------------------------------------------------------
 
 
-async def _ring_all_reduce(transport: Any, data: Any, tag: int) -> None:
-    """Sum ``data`` over every rank in place: ring reduce-scatter, then ring all-gather."""
-    import asyncio
-
-    import numpy as np
-
-    n, rank = transport.world_size, transport.rank
-    right, left = (rank + 1) % n, (rank - 1) % n
-    chunks = np.array_split(data, n)
-    for step in range(n - 1):
-        mine, theirs = chunks[(rank - step) % n], chunks[(rank - step - 1) % n]
-        incoming = np.empty_like(theirs)
-        await asyncio.gather(transport.send(right, mine, tag=tag),
-                             transport.recv(left, tag=tag, out=incoming))
-        theirs += incoming
-    for step in range(n - 1):
-        await asyncio.gather(transport.send(right, chunks[(rank + 1 - step) % n], tag=tag),
-                             transport.recv(left, tag=tag, out=chunks[(rank - step) % n]))
-
-
 async def _all_reached(outdir: str, phase: str, rank: int, n: int, timeout: float) -> None:
     """Wait until all ``n`` ranks have reached ``phase`` (marker files; no network).
 
@@ -115,6 +95,7 @@ async def _rank(args: argparse.Namespace) -> None:
     from netdist.config import DistributedConfig
     from netdist.ps import ParameterServer
     from netdist.transport import TcpTransport
+    from tests.transport.lazy_worker import ring_all_reduce  # the transport-level ring
 
     config = DistributedConfig.from_env()
     record: dict[str, Any] = {"rank": config.rank}
@@ -128,7 +109,7 @@ async def _rank(args: argparse.Namespace) -> None:
         size = int(args.ring_kib * 1024) // 8
         data = np.arange(size, dtype=np.float64) + rank
         record["ring_start"] = time.time()
-        await _ring_all_reduce(transport, data, tag=1)
+        await ring_all_reduce(transport, data, tag=1)
         record["ring_done"] = time.time()
         record["ring_correct"] = bool(np.array_equal(
             data, n * np.arange(size, dtype=np.float64) + n * (n - 1) / 2))

@@ -80,30 +80,40 @@ async def check() -> None:
     print(f"OK rank {r}", flush=True)
 
 
+def _die_after(transport: Any, sends: int) -> None:
+    """Make this rank SIGKILL itself on its send number ``sends + 1``: no goodbye at all."""
+    original = transport.send
+    sent = 0
+
+    async def send(dst: int, data: Any, **kwargs: Any) -> None:
+        nonlocal sent
+        sent += 1
+        if sent > sends:
+            os.kill(os.getpid(), signal.SIGKILL)
+        await original(dst, data, **kwargs)
+
+    transport.send = send
+
+
+async def _large_all_reduce_fails(g: Group, rank: int) -> None:
+    """The survivors' side: report the all-reduce's error (exit 3), or its success."""
+    print(f"READY rank {rank}", flush=True)
+    try:
+        await g.all_reduce(np.ones(8 * 1024 * 1024, np.float32),
+                           timeout=float(os.environ["MP_OP_TIMEOUT"]))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        print(f"ERROR {type(exc).__name__}: {exc}", flush=True)
+        raise SystemExit(3) from None
+    print("UNEXPECTED success", flush=True)
+
+
 async def kill(victim: int) -> None:
     async with init() as transport:
         g = Group(transport, segment_bytes=256 * 1024, small_message_bytes=0)
         if transport.rank == victim:
-            original = transport.send
-            sent = 0
-
-            async def send(dst: int, data: Any, **kwargs: Any) -> None:
-                nonlocal sent
-                sent += 1
-                if sent > 3:  # a few segments out, then die without any goodbye
-                    os.kill(os.getpid(), signal.SIGKILL)
-                await original(dst, data, **kwargs)
-
-            transport.send = send  # type: ignore[method-assign]
+            _die_after(transport, 3)  # a few segments out
         await g.barrier(timeout=30)
-        print(f"READY rank {transport.rank}", flush=True)
-        try:
-            await g.all_reduce(np.ones(8 * 1024 * 1024, np.float32),
-                               timeout=float(os.environ["MP_OP_TIMEOUT"]))
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            print(f"ERROR {type(exc).__name__}: {exc}", flush=True)
-            raise SystemExit(3) from None
-        print("UNEXPECTED success", flush=True)
+        await _large_all_reduce_fails(g, transport.rank)
 
 
 async def shmkill(victim: int) -> None:
@@ -112,25 +122,8 @@ async def shmkill(victim: int) -> None:
         await g.all_reduce(np.ones(1 << 20, np.float32), timeout=30)
         print(f"MODE {g.local_mode.value if g.local_mode else None}", flush=True)
         if transport.rank == victim:
-            original = transport.send
-            sent = 0
-
-            async def send(dst: int, data: Any, **kwargs: Any) -> None:
-                nonlocal sent
-                sent += 1
-                if sent > 7:  # a few rounds in, then die without any goodbye
-                    os.kill(os.getpid(), signal.SIGKILL)
-                await original(dst, data, **kwargs)
-
-            transport.send = send  # type: ignore[method-assign]
-        print(f"READY rank {transport.rank}", flush=True)
-        try:
-            await g.all_reduce(np.ones(8 * 1024 * 1024, np.float32),
-                               timeout=float(os.environ["MP_OP_TIMEOUT"]))
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            print(f"ERROR {type(exc).__name__}: {exc}", flush=True)
-            raise SystemExit(3) from None
-        print("UNEXPECTED success", flush=True)
+            _die_after(transport, 7)  # a few rounds of signals in
+        await _large_all_reduce_fails(g, transport.rank)
 
 
 def main() -> None:
