@@ -50,6 +50,11 @@ def join_from_store(store: Any, rank: int, world_size: int, timeout: timedelta,
     token = os.environ.get("NETDIST_TOKEN") or None
     overrides: dict[str, Any] = {"rank": rank, "world_size": world_size, "timeout": seconds,
                                  "job_id": f"torch:{job_id}"}
+    if not os.environ.get("NETDIST_CONNECT"):
+        # as Gloo does, connect every pair at init: a receive from any source and a
+        # monitored barrier then never wait on a first connection (NETDIST_CONNECT=lazy
+        # opts in to connections on first use)
+        overrides["connect"] = "eager"
     if rank == 0:
         if token is None:
             token = secrets.token_hex(16)
