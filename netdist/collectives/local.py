@@ -321,7 +321,9 @@ async def open_host_arena(chan: Channel, enabled: bool,
                        "%s", "; ".join(f"group rank {r}: {t}" for r, t in failed))
         return HostLayout(LocalMode.TCP, layout.hosts, layout.rank, layout.host,
                           layout.local), None
-    assert segment is not None
+    if segment is None:  # every rank reported no problem, so each holds its segment
+        raise SharedMemoryError(f"group rank {chan.rank} agreed on shared memory without "
+                                "holding a segment")
     segment.release_fd()  # every local peer has attached (the exchange above says so)
     return layout, HostArena(segment, layout, min_slot, max_slot)
 
