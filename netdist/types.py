@@ -41,6 +41,8 @@ __all__ = [
     "is_bfloat16",
     "bfloat16_to_float32",
     "float32_to_bfloat16",
+    "widen_bfloat16",
+    "cast_into",
 ]
 
 
@@ -163,6 +165,21 @@ def bfloat16_to_float32(array: np.ndarray, out: np.ndarray | None = None) -> np.
         out = np.empty(bits.shape, np.float32)
     np.left_shift(bits, 16, out=out.view(np.uint32), dtype=np.uint32)
     return out
+
+
+def widen_bfloat16(array: np.ndarray) -> np.ndarray:
+    """bfloat16 ``array`` as float32 (exact, a new array of the same shape); an array of
+    any other dtype as it is."""
+    return bfloat16_to_float32(array) if is_bfloat16(array.dtype) else array
+
+
+def cast_into(target: np.ndarray, source: np.ndarray) -> None:
+    """``target[...] = source`` across floating dtypes, as torch's ``copy_`` casts: into
+    bfloat16 through float32, rounded to nearest even; out of bfloat16 exactly."""
+    if is_bfloat16(target.dtype):
+        float32_to_bfloat16(widen_bfloat16(source), out=target)
+    else:
+        np.copyto(target, widen_bfloat16(source), casting="same_kind")
 
 
 _BF16_NAN = 0x7FC0  # the quiet NaN torch's bfloat16 kernels produce

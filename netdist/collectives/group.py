@@ -896,9 +896,7 @@ class Group:
         """
         self._check_member("gather")
         dst = self._peer(dst, "gather dst")
-        wrap = False
-        if not isinstance(array, np.ndarray):
-            array, wrap = as_array(array, "gather"), True
+        array, wrap, _, _ = _tensor_io(array, None, "gather")
         _check_array(array, "gather")
         payload = array if array.flags.c_contiguous else np.ascontiguousarray(array)
 

@@ -38,7 +38,6 @@ class HostLayout:
     """The group's ranks by host. ``hosts`` lists each host's group ranks in ascending order,
     hosts ordered by their lowest rank; ``host`` and ``local`` locate ``rank`` in it."""
 
-
     mode: LocalMode
     hosts: tuple[tuple[int, ...], ...]
     rank: int

@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgpack
 import numpy as np
@@ -319,8 +319,7 @@ async def open_host_arena(chan: Channel, enabled: bool,
             logger.log(logging.INFO if chosen else logging.WARNING,
                        "netdist: shared memory off for this group, collectives use TCP: "
                        "%s", "; ".join(f"group rank {r}: {t}" for r, t in failed))
-        return HostLayout(LocalMode.TCP, layout.hosts, layout.rank, layout.host,
-                          layout.local), None
+        return replace(layout, mode=LocalMode.TCP), None
     if segment is None:  # every rank reported no problem, so each holds its segment
         raise SharedMemoryError(f"group rank {chan.rank} agreed on shared memory without "
                                 "holding a segment")

@@ -92,7 +92,13 @@ from netdist.progress.proxy import unwrap
 from netdist.ps import ColocatedPS, ParameterServer, SGDConfig, ServerReport, VersionLogEntry
 from netdist.ps.protocol import SHARDED_TAG_BASE, SYNC_TAG_BASE
 from netdist.tensors import as_array
-from netdist.types import BFLOAT16, bfloat16_to_float32, float32_to_bfloat16
+from netdist.types import (
+    BFLOAT16,
+    bfloat16_to_float32,
+    cast_into,
+    float32_to_bfloat16,
+    widen_bfloat16,
+)
 
 __all__ = [
     "comm_hook",
@@ -219,20 +225,6 @@ def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A NumPy view of a CPU float tensor sharing its memory (``netdist.tensors``:
     bfloat16 as ``netdist.types.BFLOAT16``, with or without ``ml_dtypes``)."""
     return as_array(tensor, "netdist comm hook")
-
-
-def _widened(array: np.ndarray) -> np.ndarray:
-    """bfloat16 as float32 (exact); other dtypes as they are."""
-    return bfloat16_to_float32(array) if array.dtype.kind == "V" else array
-
-
-def _cast_into(target: np.ndarray, source: np.ndarray) -> None:
-    """``target[...] = source`` across float dtypes; into bfloat16 through float32,
-    rounded to nearest even, as torch's ``copy_`` does."""
-    if target.dtype.kind == "V":
-        float32_to_bfloat16(source, out=target)
-    else:
-        np.copyto(target, source, casting="same_kind")
 
 
 async def _new_subgroup(world: Group) -> Group:
@@ -734,7 +726,7 @@ class BoundedStalenessHook(CommHookState):
             for p, g in zip(b.parameters, b.gradients):
                 name = self._names[id(p)][1]
                 view = _as_numpy(g)
-                grads[name] = _widened(view).astype(self._np_dtype)  # the server's dtype
+                grads[name] = widen_bfloat16(view).astype(self._np_dtype)  # the server's dtype
                 targets[name] = view
         ps = self._ps
         if ps is None:
@@ -753,7 +745,7 @@ class BoundedStalenessHook(CommHookState):
         pulled = await ps.step(grads)
         for name, now in zip(ps.client.names, pulled):
             delta = self._accumulator[name] - now
-            _cast_into(targets[name], delta)
+            cast_into(targets[name], delta)
             self._accumulator[name] = now
         payload = sum(g.nbytes for g in grads.values())
         self._recorder.add(payload, payload, fp32 if self.world_size > 1 else 0,

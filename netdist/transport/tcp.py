@@ -478,9 +478,9 @@ class TcpTransport(Transport):
 
     def host_keys(self) -> tuple[bytes, ...] | None:
         """Every rank's host key from the rendezvous table (``None`` if one is missing)."""
-        keys = tuple(entry.host_key for entry in self.peer_addresses)
         if self.world_size == 1:
             return (host_key(),)
+        keys = tuple(entry.host_key for entry in self.peer_addresses)
         return keys if len(keys) == self.world_size and all(keys) else None
 
     def connected_peers(self) -> tuple[int, ...]:
