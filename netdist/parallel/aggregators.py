@@ -71,10 +71,11 @@ from netdist.tensors import as_array, to_tensor
 from netdist.types import (
     CARRIED_DTYPES,
     ReduceOp,
-    bfloat16_to_float32,
+    cast_into,
     float32_to_bfloat16,
     is_bfloat16,
     thread_safe,
+    widen_bfloat16,
 )
 
 if TYPE_CHECKING:  # the collectives import asyncio; keep the type-only dependency lazy
@@ -165,25 +166,6 @@ def _as_given(results: list[np.ndarray], arrays: Sequence[np.ndarray],
         return results
     return [r if t is None else (t if r is a else to_tensor(r))
             for r, a, t in zip(results, arrays, tensors)]
-
-
-def _cast_into(target: np.ndarray, source: np.ndarray) -> None:
-    """``target[...] = source`` converting floating dtypes (bfloat16 through float32,
-    rounded to nearest even as torch casts)."""
-    if target.dtype.kind == "V":
-        float32_to_bfloat16(source if source.dtype == np.float32
-                            else _widen(source).astype(np.float32), out=target)
-    elif source.dtype.kind == "V":
-        np.copyto(target, bfloat16_to_float32(source), casting="same_kind")
-    else:
-        np.copyto(target, source, casting="same_kind")
-
-
-def _widen(array: np.ndarray) -> np.ndarray:
-    """bfloat16 as float32 (exact, a new array of the same shape); other dtypes as they are."""
-    if array.dtype.kind == "V":
-        return bfloat16_to_float32(np.ascontiguousarray(array))
-    return array
 
 
 class LocalAggregator:
@@ -808,7 +790,7 @@ class Fp16AllReduceAggregator(AllReduceAggregator):
         cast_to_fp16(grad, scale=1.0 / self.group.world_size, out=target)
 
     def _drain(self, source: np.ndarray, grad: np.ndarray) -> None:
-        _cast_into(grad, source)
+        cast_into(grad, source)
 
 
 class TopKAggregator:
@@ -876,7 +858,7 @@ class TopKAggregator:
 
     async def _aggregate(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         self.steps += 1
-        work = [_widen(g) for g in arrays]  # bfloat16 is selected and summed in float32
+        work = [widen_bfloat16(g) for g in arrays]  # bfloat16 is selected and summed in float32
         self._prepare(work)
         world = self.group.world_size
         compressed = self.compressor.compress(work)

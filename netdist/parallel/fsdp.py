@@ -160,7 +160,8 @@ from netdist.parallel.fsdp_units import ForwardCtx, Unit, build_units
 from netdist.parallel.sharded_optim import ShardedOptimizer, sharded_optimizer_from
 from netdist.parallel.tensor_kind import array_of, tensor_of
 from netdist.tensors import is_tensor
-from netdist.types import ReduceOp, bfloat16_to_float32, float32_to_bfloat16, is_bfloat16
+from netdist.types import (ReduceOp, bfloat16_to_float32, float32_to_bfloat16, is_bfloat16,
+                           widen_bfloat16)
 
 if TYPE_CHECKING:
     from netdist.collectives import Group
@@ -498,7 +499,7 @@ class FSDP:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
         total = np.zeros(1, np.float64)
         for unit in self._units:
-            g = _widened(unit.grad[:unit.valid]).astype(np.float64, copy=False)
+            g = widen_bfloat16(unit.grad[:unit.valid]).astype(np.float64, copy=False)
             if g.size == 0:
                 continue
             if math.isinf(norm_type):
@@ -648,11 +649,6 @@ def _check_agreement(everyone: list[dict[str, Any]]) -> None:
 def _as_given(obj: Any, tensor: bool, what: str) -> Any:
     """A result in the kind the caller gave: a tensor, or else an array."""
     return tensor_of(obj, what) if tensor else array_of(obj, what)
-
-
-def _widened(array: np.ndarray) -> np.ndarray:
-    """bfloat16 as float32 (exact); other dtypes as they are."""
-    return bfloat16_to_float32(array) if is_bfloat16(array.dtype) else array
 
 
 def _scale(grad: np.ndarray, coef: float) -> None:
