@@ -347,7 +347,8 @@ async def load(dir: str | os.PathLike[str], group: GroupLike, *, like: Any = Non
     try:
         metadata = ShardMetadata.loads(found["metadata"], str(directory / METADATA_FILE))
         if like is not None:
-            for name, value in flatten_state(like, keep_statefuls=True).tensors.items():
+            leaves = flatten_state(like, keep_statefuls=True, merge_views=False).tensors
+            for name, value in leaves.items():
                 if isinstance(value, ShardedArray):
                     extents[name] = ShardExtent(value.shard_dim,
                                                 int(value.data.shape[value.shard_dim]))
