@@ -118,13 +118,7 @@ def num_servers_from_env(environ: Mapping[str, str] | None = None, *,
         if world_size is not None:
             return default_num_servers(world_size, colocated=colocated)
         return DEFAULT_PS_SERVERS
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(f"{PS_SERVERS_ENV}={text!r} is not an integer") from None
-    if value < 1:
-        raise ConfigError(f"{PS_SERVERS_ENV} must be >= 1, got {value}")
-    return value
+    return _int_at_least(PS_SERVERS_ENV, text, 1, "an integer")
 
 
 def max_staleness_from_env(environ: Mapping[str, str] | None = None, *,
@@ -136,10 +130,16 @@ def max_staleness_from_env(environ: Mapping[str, str] | None = None, *,
         return default
     if text in ("none", "inf", "async"):
         return None
+    return _int_at_least(PS_MAX_STALENESS_ENV, text, 0, "an integer or 'none'")
+
+
+def _int_at_least(name: str, text: str, minimum: int, expected: str) -> int:
+    """``text`` (the value of environment variable ``name``) as an int >= ``minimum``;
+    ``ConfigError`` saying it is not ``expected`` or is too small."""
     try:
         value = int(text)
     except ValueError:
-        raise ConfigError(f"{PS_MAX_STALENESS_ENV}={text!r} is not an integer or 'none'") from None
-    if value < 0:
-        raise ConfigError(f"{PS_MAX_STALENESS_ENV} must be >= 0, got {value}")
+        raise ConfigError(f"{name}={text!r} is not {expected}") from None
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
     return value

@@ -104,15 +104,13 @@ async def _colocated_path(name: str, group: Group | Transport, params: list[Any]
     servers = num_servers_from_env(world_size=world, colocated=True)
     staleness = 0 if name == "ps-sharded" else max_staleness_from_env()
     ps = ColocatedPS(group, num_servers=min(servers, world), timeout=timeout)
-    data = [p.data for p in params]
-    try:
-        initial = await ps.init(data, optimizer=_sgd_config(config), max_staleness=staleness)
+    aggregator = ServerOptimizerAggregator(ps, optimizer=_sgd_config(config),
+                                           max_staleness=staleness)
+    try:  # registers the model; the first worker's values land in every p.data
+        await aggregator.init([p.data for p in params])
     except BaseException as exc:
         await ps.abort(f"init failed: {exc}")
         raise
-    for array, value in zip(data, initial):
-        np.copyto(array, value)
-    aggregator = ServerOptimizerAggregator(ps, out=data)
 
     def copy_params(new_params: list[np.ndarray]) -> None:
         for p, value in zip(params, new_params):
