@@ -60,6 +60,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
     "NotInGroupError",
+    "ObjectEncodeError",
     "BlockingCallError",
     "ParameterServerError",
     "FSDPError",
@@ -182,6 +183,11 @@ class CollectiveMismatchError(CollectiveError, ValueError):
 
 class NotInGroupError(CollectiveError):
     """This rank called into a group it is not a member of."""
+
+
+class ObjectEncodeError(CollectiveError, TypeError):
+    """This rank's object for an object collective cannot be encoded with msgpack
+    (netdist never pickles); the other ranks get a ``CollectiveError`` naming this rank."""
 
 
 class BlockingCallError(NetdistError, RuntimeError):

@@ -36,6 +36,7 @@ PURE = [
     "netdist.compression.*",
     "netdist.collectives.plan",
     "netdist.collectives.hosts",
+    "netdist.collectives.tags",
     "netdist.ps.state",
     "netdist.ps.placement",
     "netdist.ps.messages",

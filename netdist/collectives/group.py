@@ -72,7 +72,6 @@ tasks are cancelled and awaited before the error propagates.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
@@ -98,6 +97,16 @@ from netdist.collectives.ring import (
     ring_reduce_scatter,
 )
 from netdist.collectives.plan import offsets_from_sizes
+from netdist.collectives.tags import (
+    P2P_BIT,
+    P2P_TAG_LIMIT,
+    SEQ_MASK,
+    SEQ_SHIFT,
+    TagRange,
+    group_id as make_group_id,
+    group_tag_base,
+    reserved_range,
+)
 from netdist.collectives.small import (
     all_to_all_exchange,
     bruck_all_gather,
@@ -140,6 +149,8 @@ __all__ = [
     "DEFAULT_SMALL_MESSAGE_BYTES",
     "DEFAULT_SEGMENT_BYTES",
     "P2P_TAG_LIMIT",
+    "TagRange",
+    "reserve_tags",
 ]
 
 DEFAULT_SMALL_MESSAGE_BYTES = 1024 * 1024
@@ -155,16 +166,8 @@ twice as many), within ``MIN_SEGMENT_BYTES .. segment_bytes``."""
 MIN_SEGMENT_BYTES = 256 * 1024
 """Smallest segment the ring and chain algorithms cut a mid-sized message into."""
 
-P2P_TAG_LIMIT = 2**20
-"""Group point-to-point tags must be below this."""
-
-_TAG_FLAG = 1 << 62
-_GID_SHIFT = 22
-_GID_LIMIT = (1 << 40) - 1  # the all-ones id is excluded: it would reach MAX_TAG
-_P2P_BIT = 1 << 21
-_SEQ_SHIFT = 4
-_SEQ_MASK = (1 << 17) - 1
 _ROOT_COUNT_ATTRIBUTE = "_netdist_root_groups"
+_RANGES_ATTRIBUTE = "_netdist_tag_ranges"
 _REACH_SECONDS = 1.0  # after a timeout: how long to try reaching members never talked to
 
 _WIRE_DTYPE_SET = frozenset(CARRIED_DTYPES.values())
@@ -174,11 +177,6 @@ ArrayT = TypeVar("ArrayT", np.ndarray, "Tensor")
 """An array-valued collective returns what it was given: NumPy in, NumPy out; torch in,
 torch out (``out=`` must then be of the same kind)."""
 OutputsT = TypeVar("OutputsT", bound="Sequence[np.ndarray | Tensor]")
-
-
-def _group_id(*parts: object) -> int:
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % _GID_LIMIT
 
 
 def _as_op(op: ReduceOp | str) -> ReduceOp:
@@ -239,6 +237,32 @@ def _next_root_group(transport: Transport) -> int:
     return created
 
 
+def reserve_tags(transport: Transport, ranks: Sequence[int], owner: str) -> TagRange:
+    """Reserve the next tag range of ``owner`` among transport ``ranks`` on ``transport``.
+
+    The n-th reservation of ``owner`` among the same ranks gets the same range on every
+    rank, so the ranks that will talk on it must reserve in the same order (as they
+    build subgroups); a second parameter server or pipeline on those ranks gets a range
+    of its own. The ranges live in the reserved space of ``netdist.collectives.tags``,
+    apart from application tags and from every group's collectives. ``Group.reserve_tags``
+    is this for the group's members; layers given a bare transport call it with every rank.
+    """
+    members = tuple(int(r) for r in ranks)
+    taken: dict[tuple[tuple[int, ...], str], int] = getattr(transport, _RANGES_ATTRIBUTE, None) or {}
+    index = taken.get((members, owner), 0)
+    tag_range = reserved_range(members, owner, index)
+    for (other_ranks, other_owner), count in taken.items():
+        if (other_ranks, other_owner) != (members, owner) and any(
+                reserved_range(other_ranks, other_owner, i).base == tag_range.base
+                for i in range(count)):
+            raise CollectiveError(f"tag range of {owner!r} on ranks {list(members)} collides "
+                                  f"with one of {other_owner!r} on ranks {list(other_ranks)}; "
+                                  f"use another owner name")
+    taken[(members, owner)] = index + 1
+    setattr(transport, _RANGES_ATTRIBUTE, taken)
+    return tag_range
+
+
 class Group:
     """Collectives among an ordered set of ranks of one transport.
 
@@ -266,7 +290,7 @@ class Group:
             raise ValueError(f"shm_slot_bytes must be an int >= 4096, got {shm_slot_bytes!r}")
         timeout = _timeout_value(timeout, "timeout")
         self._setup(transport, tuple(range(transport.world_size)),
-                    _group_id("root", _next_root_group(transport)),
+                    make_group_id("root", _next_root_group(transport)),
                     float(transport.timeout) if timeout is None else timeout,
                     small_message_bytes, segment_bytes, pipeline_depth,
                     shared_memory_enabled(shared_memory), -(-shm_slot_bytes // 64) * 64)
@@ -278,7 +302,7 @@ class Group:
         self._ranks = ranks
         self._rank = ranks.index(transport.rank) if transport.rank in ranks else -1
         self._gid = gid
-        self._tag_base = _TAG_FLAG | (gid << _GID_SHIFT)
+        self._tag_base = group_tag_base(gid)
         self._timeout = timeout
         self.small_message_bytes = small_message_bytes
         """Messages up to this size use the latency-optimal algorithms."""
@@ -330,6 +354,17 @@ class Group:
     def group_id(self) -> int:
         return self._gid
 
+    def reserve_tags(self, owner: str) -> TagRange:
+        """Reserve a range of ``2**32`` transport tags for ``owner`` among this group's ranks.
+
+        For layers above the collectives that talk point to point on their own tags (the
+        pipeline, the parameter server): the range is apart from application tags and
+        from every group's collectives, and the n-th reservation of ``owner`` names the
+        same tags on every member, so members reserve in the same order (see
+        ``netdist.collectives.group.reserve_tags``).
+        """
+        return reserve_tags(self._transport, self._ranks, owner)
+
     def __repr__(self) -> str:
         return (f"<Group {self._gid:#x} ranks={list(self._ranks)} rank={self._rank}"
                 f"{' closed' if self._closed else ''}>")
@@ -369,10 +404,10 @@ class Group:
             dups = sorted({r for r in members if members.count(r) > 1})
             raise ValueError(f"new_group: duplicate ranks {dups} in {members}")
         if name is None:
-            gid = _group_id("child", self._gid, self._children, tuple(members))
+            gid = make_group_id("child", self._gid, self._children, tuple(members))
             self._children += 1
         else:
-            gid = _group_id("named", self._gid, str(name), tuple(members))
+            gid = make_group_id("named", self._gid, str(name), tuple(members))
         child = Group.__new__(Group)
         child._setup(self._transport, tuple(self._ranks[r] for r in members), gid,
                      self._timeout,
@@ -423,8 +458,8 @@ class Group:
             raise CollectiveError(f"{op}: {self._describe()} is closed")
 
     def _next_tag(self) -> int:
-        tag = self._tag_base | (self._seq << _SEQ_SHIFT)
-        self._seq = (self._seq + 1) & _SEQ_MASK
+        tag = self._tag_base | (self._seq << SEQ_SHIFT)
+        self._seq = (self._seq + 1) & SEQ_MASK
         return tag
 
     def _peer(self, peer: int, what: str) -> int:
@@ -446,25 +481,33 @@ class Group:
         chan = Channel(self._transport, self._ranks, self._rank, self._next_tag(),
                        self._timeout if deadline is None else deadline, op, self._plans,
                        self._scratch)
-        coro = self._run(chan, body)
         if not async_op:
-            return await coro
-        task = asyncio.ensure_future(coro)
+            return await self._run(chan, body)
+        return self._launch(chan, body)
+
+    def _launch(self, chan: Channel, body: Callable[[Channel], Awaitable[T]]) -> Work:
+        """Run ``body`` as a task the group owns; the ``Work`` handle for it."""
+        running = asyncio.Event()
+        task = asyncio.ensure_future(self._run(chan, body, running))
         self._tasks.add(task)
         task.add_done_callback(self._forget)
-        return Work(task, op)
+        return Work(task, chan.op, running)
 
     def _forget(self, task: asyncio.Future[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: the Work handle re-raises it when awaited
 
-    async def _run(self, chan: Channel, body: Callable[[Channel], Awaitable[T]]) -> T:
-        """Run one collective under its deadline, adding context to transport errors."""
+    async def _run(self, chan: Channel, body: Callable[[Channel], Awaitable[T]],
+                   running: asyncio.Event | None = None) -> T:
+        """Run one collective under its deadline, adding context to transport errors;
+        ``running`` is set as the body starts (``Work.started``)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
             async with asyncio.timeout(chan.timeout):
+                if running is not None:
+                    running.set()
                 return await body(chan)
         except NetdistTimeoutError as exc:
             raise NetdistTimeoutError(f"{chan.op} on {self._describe()}: {exc}") from exc
@@ -1114,7 +1157,7 @@ class Group:
             raise TypeError(f"tag must be an int, got {type(tag).__name__}")
         if not 0 <= tag < P2P_TAG_LIMIT:
             raise ValueError(f"group send/recv tag must be in 0..{P2P_TAG_LIMIT - 1}, got {tag}")
-        return self._tag_base | _P2P_BIT | int(tag)
+        return self._tag_base | P2P_BIT | int(tag)
 
     async def _p2p(self, op: str, body: Callable[[], Awaitable[T]], timeout: float,
                    peer: int, async_op: bool) -> T | Work:
@@ -1124,13 +1167,9 @@ class Group:
         async def run(_: Channel) -> T:
             return await body()
 
-        coro = self._run(chan, run)
         if not async_op:
-            return await coro
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._forget)
-        return Work(task, op)
+            return await self._run(chan, run)
+        return self._launch(chan, run)
 
     @overload
     async def send(self, array: Any, dst: int, tag: int = 0, *, timeout: float | None = None,

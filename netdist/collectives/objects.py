@@ -12,16 +12,12 @@ from typing import Any
 
 import msgpack
 
-from netdist.errors import CollectiveError
+from netdist.errors import CollectiveError, ObjectEncodeError
 
 __all__ = ["pack_object_blob", "unpack_object_blob", "ObjectEncodeError"]
 
 _OK = b"\x00"
 _FAILED = b"\x01"
-
-
-class ObjectEncodeError(TypeError):
-    """This rank's object cannot be encoded with msgpack."""
 
 
 def pack_object_blob(obj: Any, op: str) -> tuple[bytes, ObjectEncodeError | None]:

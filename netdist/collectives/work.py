@@ -28,12 +28,29 @@ class Work:
     by every await.
     """
 
-    __slots__ = ("_task", "op")
+    __slots__ = ("_task", "op", "_running")
 
-    def __init__(self, task: asyncio.Future[Any], op: str) -> None:
+    def __init__(self, task: asyncio.Future[Any], op: str,
+                 running: asyncio.Event | None = None) -> None:
         self._task = task
         self.op = op
         """Name of the collective, e.g. ``"all_reduce"``."""
+        self._running = running
+
+    async def started(self) -> None:
+        """Return once the collective has begun running (or has already finished).
+
+        A collective handed out by ``async_op=True`` starts at the loop's next turn; this
+        is the event to wait for before acting on a collective that is under way
+        (closing its group, losing a peer) instead of guessing with ``sleep(0)``.
+        """
+        if self._running is None or self._running.is_set() or self._task.done():
+            return
+        waiter = asyncio.ensure_future(self._running.wait())
+        try:
+            await asyncio.wait({waiter, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
 
     def done(self) -> bool:
         """True once the collective finished, successfully or not."""

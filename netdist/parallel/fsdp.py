@@ -69,15 +69,14 @@ categories for any strategy from the unit layouts, so the saving can be read off
 
 Checkpoints. ``sharded_state_dict()`` returns this rank's pieces as 1-D views of each
 flattened parameter (and optimizer state ``"optim.<param>.<key>"``) with per-tensor specs
-(``netdist.sharding.TensorShardSpec``s that also read as the mapping of its constructor
-arguments, ``FlatShardSpec``; this package does not import the checkpoint layer)::
+(``netdist.sharding.TensorShardSpec``; this package does not import the checkpoint
+layer)::
 
     sd = fsdp.sharded_state_dict()
     # per rank, no communication (save_distributed):
-    specs = {name: TensorShardSpec(**kw) for name, kw in sd.specs.items()}
-    save_distributed(sd.tensors, path, group.rank, group.world_size, specs)
+    save_distributed(sd.tensors, path, group.rank, group.world_size, sd.specs)
     # collectively; the load reshards into any world size / strategy, in place:
-    state = {"tensors": {k: ShardedArray(v) if sd.specs[k]["shard_dim"] == 0 else v
+    state = {"tensors": {k: ShardedArray(v) if sd.specs[k].shard_dim == 0 else v
                          for k, v in sd.tensors.items()}, "step": sd.step}
     await checkpoint.save(state, path, group)
     loaded = await checkpoint.load(path, group, like=state)    # fills sd.tensors' views
@@ -139,7 +138,6 @@ from netdist.errors import FSDPError
 from netdist.parallel.flat_param import FlatParamLayout
 from netdist.parallel.fsdp_schedule import GatherReduceSchedule
 from netdist.parallel.fsdp_state_dict import (
-    FlatShardSpec,
     ShardedStateDict,
     full_optim_state,
     full_params,
@@ -173,7 +171,6 @@ __all__ = [
     "MemoryStats",
     "FSDPTimings",
     "ShardedStateDict",
-    "FlatShardSpec",
 ]
 
 

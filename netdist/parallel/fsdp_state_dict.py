@@ -14,7 +14,7 @@ Communication (gathers, the broadcast to other replicas after a load) goes throu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,6 @@ from netdist.tensors import as_array, is_tensor
 from netdist.types import is_bfloat16
 
 __all__ = [
-    "FlatShardSpec",
     "ShardedStateDict",
     "StateOf",
     "sharded_arrays",
@@ -43,43 +42,6 @@ __all__ = [
 StateOf = Callable[[Unit], dict[str, np.ndarray]]
 """A unit's optimizer state arrays by key (allocated on first use)."""
 
-_SPEC_FIELDS = ("full_shape", "shard_dim", "shard_sizes", "dtype")
-
-
-class FlatShardSpec(TensorShardSpec, Mapping[str, Any]):
-    """A ``TensorShardSpec`` of one flattened FSDP tensor that also reads as the mapping
-    of its constructor arguments.
-
-    ``full_shape`` is ``(numel,)``; ``shard_dim`` is 0, or None for a replicated tensor
-    (no ``shard_sizes``); ``shard_sizes`` are per *world* rank; ``dtype`` is the layout's
-    dtype name. FSDP's specs were plain dicts of these arguments before they were typed;
-    the mapping view keeps that contract (``spec["shard_dim"]``, ``TensorShardSpec(**spec)``,
-    equality with such a ``dict``).
-    """
-
-    __slots__ = ()
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in _SPEC_FIELDS:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(_SPEC_FIELDS)
-
-    def __len__(self) -> int:
-        return len(_SPEC_FIELDS)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, TensorShardSpec):
-            return all(getattr(self, k) == getattr(other, k) for k in _SPEC_FIELDS)
-        if isinstance(other, Mapping):
-            return dict(self) == dict(other)
-        return NotImplemented
-
-    __hash__ = TensorShardSpec.__hash__
-
-
 @dataclass(frozen=True, slots=True)
 class ShardedStateDict:
     """What this rank owns: local 1-D pieces of each flattened tensor, and their specs.
@@ -88,8 +50,7 @@ class ShardedStateDict:
     checkpoint load, changes the model): NumPy views, or tensors over them for a module
     whose parameters are tensors. ``specs[name]`` is its ``TensorShardSpec``
     (``full_shape`` ``(numel,)``, ``shard_dim`` 0 or None for replicated, ``shard_sizes``
-    per *world* rank, ``dtype``); FSDP's are ``FlatShardSpec``s, which also read as the
-    mapping of those arguments (``spec["shard_dim"]``). ``shapes`` maps
+    per *world* rank, ``dtype``, the layout's dtype name). ``shapes`` maps
     each parameter to its original shape; ``step`` and ``hyperparams`` describe the
     optimizer (``hyperparams`` is empty without one).
     """
@@ -118,13 +79,13 @@ def sharded_arrays(units: Sequence[Unit], policy: ShardingPolicy, state_of: Stat
             arrays = {slot.name: unit.shard}
             arrays.update({f"optim.{slot.name}.{key}": value for key, value in state.items()})
             if not sharded:
-                spec = FlatShardSpec((slot.numel,), None, (), layout.dtype)
+                spec = TensorShardSpec((slot.numel,), None, (), layout.dtype)
                 for name, array in arrays.items():
                     tensors[name] = array[slot.offset:slot.offset + slot.numel]
                     specs[name] = spec
                 continue
             sizes = policy.checkpoint_shard_sizes(layout.param_shard_sizes(index))
-            spec = FlatShardSpec((slot.numel,), 0, sizes, layout.dtype)
+            spec = TensorShardSpec((slot.numel,), 0, sizes, layout.dtype)
             piece = pieces.get(index)
             for name, array in arrays.items():
                 if piece is None or not owner:

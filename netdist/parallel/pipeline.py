@@ -4,7 +4,8 @@ Each rank holds one stage: a contiguous slice of the model's layers
 (``PipelineStage.select``). A mini-batch is split into ``m`` micro-batches
 (``micro_batch_bounds``); activations travel forward ``stage s -> s + 1`` and activation
 gradients backward ``s + 1 -> s``, each message on its own transport tag
-(``message_tag``: per step, micro-batch and direction, below ``2**32``), in the order
+(``message_tag``: per step, micro-batch and direction, in a tag range the pipeline
+reserves from its group, ``Group.reserve_tags``), in the order
 fixed up front by the pure schedule (``netdist.parallel.schedule``) and executed through
 its ``dispatch``. Sends run as tasks of a ``TaskGroup`` that lives for one step, so a
 stage keeps computing while its bytes travel and no send outlives the step; receives
@@ -53,9 +54,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from netdist.collectives.group import reserve_tags
+from netdist.collectives.tags import TagRange
 from netdist.errors import PipelineError
 from netdist.parallel.schedule import (
-    TAG_BASE,
+    PIPELINE_OWNER,
+    VALIDATE_OFFSET,
     Action,
     Direction,
     build_schedule,
@@ -206,6 +210,9 @@ class PipelineParallel:
     ``tensors``: hand this stage's layers and ``loss_fn`` torch tensors (module
     docstring); default: True when the stage's parameters hold tensors, False for NumPy
     parameters or none (pass True for a parameter-free stage of torch layers).
+    ``tags``: the transport tags of this pipeline's messages; by default the next range
+    reserved among its ranks (``Group.reserve_tags``), so two pipelines over the same
+    ranks never share a tag when every rank builds them in the same order.
     """
 
     def __init__(self, transport: Transport, layers: Sequence[Any] | Any,
@@ -213,7 +220,7 @@ class PipelineParallel:
                  optimizer: Any | None = None,
                  optimizer_factory: Callable[[list[Any]], Any] | None = None,
                  group: Group | None = None, timeout: float | None = None,
-                 tag_base: int = TAG_BASE, offload_compute: bool = False,
+                 tags: TagRange | None = None, offload_compute: bool = False,
                  tensors: bool | None = None) -> None:
         if not isinstance(config, PipelineParallelConfig):
             raise TypeError(f"config must be a PipelineParallelConfig, got "
@@ -225,7 +232,6 @@ class PipelineParallel:
         self.transport = transport
         self.config = config
         self.timeout = timeout
-        self.tag_base = tag_base
         self.offload_compute = bool(offload_compute)
         if group is not None:
             if not getattr(group, "is_member", True):
@@ -239,7 +245,11 @@ class PipelineParallel:
             self._global_ranks = tuple(range(world_size))
         config.check_world_size(world_size)
         message_tag(0, config.num_micro_batches - 1, Direction.GRAD,
-                    config.num_micro_batches, base=tag_base)  # raises if m is too large
+                    config.num_micro_batches)  # raises if m is too large
+        self.tags = reserve_tags(transport, self._global_ranks, PIPELINE_OWNER) \
+            if tags is None else tags
+        """This pipeline's transport tags (by default the next range reserved among its
+        ranks: pipelines built in the same order on every rank agree)."""
         self.rank = world_rank
         self.stage = config.stage_of(world_rank)
         self.replica = config.replica_of(world_rank)
@@ -303,7 +313,7 @@ class PipelineParallel:
         neighbour and both configurations on a mismatch; a neighbour that never answers
         raises the transport's timeout.
         """
-        tag = self.tag_base - 1
+        tag = self.tags.tag(VALIDATE_OFFSET)
         mine = self._fingerprint()
         neighbours = [(peer, offset) for peer, offset in ((self.prev_rank, -1),
                                                           (self.next_rank, +1))
@@ -496,7 +506,7 @@ class PipelineParallel:
         outputs = []
         async with _background_sends() as sends:
             for mb in range(m):
-                tag = message_tag(step, mb, Direction.ACTIVATION, m, base=self.tag_base)
+                tag = self.tags.tag(message_tag(step, mb, Direction.ACTIVATION, m))
                 if micro is not None:
                     x = micro[mb]
                 else:
@@ -561,8 +571,7 @@ class _StepRun:
 
     def _tag(self, action: Action, direction: Direction) -> int:
         m = self.pipe.config.num_micro_batches
-        return message_tag(self.step, action.micro_batch, direction, m,
-                           base=self.pipe.tag_base)
+        return self.pipe.tags.tag(message_tag(self.step, action.micro_batch, direction, m))
 
     async def recv(self, action: Action, direction: Direction, offset: int) -> None:
         pipe = self.pipe

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
+from netdist.collectives.tags import RANGE_SIZE
 from netdist.errors import ConfigError, PipelineError
 
 __all__ = [
@@ -60,7 +61,8 @@ __all__ = [
     "simulate",
     "theoretical_bubble_fraction",
     "message_tag",
-    "TAG_BASE",
+    "PIPELINE_OWNER",
+    "VALIDATE_OFFSET",
     "TAG_STEP_WINDOW",
 ]
 
@@ -434,31 +436,31 @@ def theoretical_bubble_fraction(num_stages: int, num_micro_batches: int) -> floa
     return (num_stages - 1) / (num_micro_batches + num_stages - 1)
 
 
-TAG_BASE = 0x4E50_0000
-"""First transport tag the pipeline runtime uses (``b"NP"`` in the high bytes)."""
+PIPELINE_OWNER = "pipeline"
+"""Owner name of the tag ranges pipelines reserve (``Group.reserve_tags``)."""
 
 TAG_STEP_WINDOW = 1 << 12
 """Steps before message tags repeat; a step never overlaps one 4096 steps earlier."""
 
-_APP_TAG_LIMIT = 1 << 32  # application tags stay below 2**32 (groups allocate above)
+VALIDATE_OFFSET = RANGE_SIZE - 1
+"""Offset in the pipeline's tag range of the one-time configuration check; messages
+use the offsets below it."""
 
 
 def message_tag(step: int, micro_batch: int, direction: Direction,
-                num_micro_batches: int, *, base: int = TAG_BASE) -> int:
-    """Transport tag of one pipeline message: distinct per step, micro-batch, direction.
+                num_micro_batches: int) -> int:
+    """Offset of one pipeline message in the pipeline's tag range: distinct per step,
+    micro-batch and direction.
 
-    ``base + ((step % TAG_STEP_WINDOW) * m + micro_batch) * 2 + direction``; stays below
-    ``2**32`` (the application range; collectives allocate above it). ``ValueError`` if
-    ``num_micro_batches`` is too large for the window.
+    ``((step % TAG_STEP_WINDOW) * m + micro_batch) * 2 + direction``; stays below
+    ``VALIDATE_OFFSET``. ``ValueError`` if ``num_micro_batches`` is too large for the window.
     """
     if not 0 <= micro_batch < num_micro_batches:
         raise ValueError(f"micro_batch {micro_batch} is outside 0..{num_micro_batches - 1}")
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    space = _APP_TAG_LIMIT - base
-    if TAG_STEP_WINDOW * num_micro_batches * 2 > space:
+    if TAG_STEP_WINDOW * num_micro_batches * 2 > VALIDATE_OFFSET:
         raise ValueError(
-            f"num_micro_batches={num_micro_batches} is too large for the pipeline tag space "
-            f"above {base} (at most {max(space, 0) // (2 * TAG_STEP_WINDOW)})")
-    offset = ((step % TAG_STEP_WINDOW) * num_micro_batches + micro_batch) * 2 + int(direction)
-    return base + offset
+            f"num_micro_batches={num_micro_batches} is too large for the pipeline's tag "
+            f"range (at most {VALIDATE_OFFSET // (2 * TAG_STEP_WINDOW)})")
+    return ((step % TAG_STEP_WINDOW) * num_micro_batches + micro_batch) * 2 + int(direction)

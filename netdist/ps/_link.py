@@ -18,12 +18,15 @@ from typing import Any, Protocol, Self, TypeVar
 
 import numpy as np
 
+from netdist.collectives.group import reserve_tags
+from netdist.collectives.tags import TagRange
 from netdist.errors import NotInGroupError, PeerLostError
+from netdist.ps.protocol import check_tag_range
 from netdist.ps.roles import PSRoles, ps_roles
 from netdist.transport.base import MAX_TAG, Transport, as_payload_array
 from netdist.transport.mailbox import PeerMailbox, byte_view
 
-__all__ = ["GroupLike", "Endpoint", "Loopback", "RankFailure", "WorkerSession", "run_all",
+__all__ = ["GroupLike", "Endpoint", "reserve_ps_tags", "Loopback", "RankFailure", "WorkerSession", "run_all",
            "first_error", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 60.0
@@ -177,6 +180,21 @@ class Endpoint:
             if rank is not None and rank != error.rank:
                 return f"{error} (group rank {rank})"
         return str(error) or type(error).__name__
+
+
+def reserve_ps_tags(comm: GroupLike | Transport, owner: str,
+                    tags: TagRange | None = None) -> TagRange:
+    """``tags`` checked, or the next range of ``owner`` reserved among ``comm``'s ranks.
+
+    A bare transport counts as the whole world, so a server given the transport and its
+    workers given the world ``Group`` (or the reverse) reserve the same range.
+    """
+    if tags is None:
+        if isinstance(comm, Transport):
+            tags = reserve_tags(comm, range(comm.world_size), owner)
+        else:
+            tags = reserve_tags(comm.transport, comm.ranks, owner)
+    return check_tag_range(tags)
 
 
 def open_endpoint(group: GroupLike | Transport, *, num_servers: int, timeout: float | None,

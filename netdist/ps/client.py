@@ -40,15 +40,22 @@ import numpy as np
 
 from netdist.errors import NetdistError, ParameterServerError, PeerLostError
 from netdist.optim import AdamConfig, OptimizerConfig, SGDConfig
-from netdist.ps._link import GroupLike, Loopback, WorkerSession, open_endpoint, run_all
+from netdist.collectives.tags import TagRange
+from netdist.ps._link import (
+    GroupLike,
+    Loopback,
+    WorkerSession,
+    open_endpoint,
+    reserve_ps_tags,
+    run_all,
+)
 from netdist.ps.protocol import (
     NO_STALENESS_BOUND,
     PULL,
     PUSH,
-    SHARDED_TAG_BASE,
+    SHARDED_OWNER,
     Kind,
     ShardedStream,
-    check_tag_base,
     decode_header,
     encode_header,
     stream_tag,
@@ -72,12 +79,15 @@ class PSClient(WorkerSession):
     ``group`` is a ``netdist.collectives.Group`` or a ``Transport``; ranks
     ``0 .. num_servers-1`` of it run ``PSServer`` and this rank must be a worker rank.
     ``timeout`` bounds every wait, including a pull held back by the staleness rule.
+    ``tags``: the job's transport tags; by default the next range reserved from the group
+    (``Group.reserve_tags``), the one each server reserves too when every rank builds its
+    parameter servers in the same order.
     With ``colocated=True`` every rank is a worker and the server ranks also serve; the
     rank's server and client then share ``loopback`` (``ColocatedPS`` sets this up).
     """
 
     def __init__(self, group: GroupLike | Transport, *, num_servers: int,
-                 timeout: float | None = None, tag_base: int = SHARDED_TAG_BASE,
+                 timeout: float | None = None, tags: TagRange | None = None,
                  colocated: bool = False, loopback: Loopback | None = None) -> None:
         self._ep, self.roles = open_endpoint(group, num_servers=num_servers, timeout=timeout,
                                              colocated=colocated, loopback=loopback)
@@ -86,7 +96,8 @@ class PSClient(WorkerSession):
                 f"rank {self._ep.rank} is a server rank (servers are ranks "
                 f"0..{num_servers - 1}); run PSServer there")
         self.worker_index = self.roles.worker_index(self._ep.rank)
-        self.tag_base = check_tag_base(tag_base)
+        self.tags = reserve_ps_tags(group, SHARDED_OWNER, tags)
+        """The transport tags of this job's servers and workers (reserved from the group)."""
         self.plan: ShardPlan | None = None
         self.names: list[str] = []
         self.max_staleness: int | None = None
@@ -276,7 +287,7 @@ class PSClient(WorkerSession):
             raise
 
     def _tag(self, stream: ShardedStream, index: int = 0) -> int:
-        return stream_tag(self.tag_base, stream, index)
+        return stream_tag(self.tags, stream, index)
 
     def _ready(self, what: str) -> ShardPlan:
         if self._state != "ready" or self.plan is None:

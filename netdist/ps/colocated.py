@@ -30,10 +30,11 @@ import numpy as np
 
 from netdist.errors import NetdistError, ParameterServerError
 from netdist.optim import OptimizerConfig
-from netdist.ps._link import GroupLike, Loopback, WorkerSession
+from netdist.collectives.tags import TagRange
+from netdist.ps._link import GroupLike, Loopback, WorkerSession, reserve_ps_tags
 from netdist.ps.client import PSClient, Tensors
 from netdist.ps.placement import DEFAULT_BIGARRAY_BOUND
-from netdist.ps.protocol import SHARDED_TAG_BASE
+from netdist.ps.protocol import SHARDED_OWNER
 from netdist.ps.server import PSServer, ServerReport
 from netdist.transport.base import Transport
 
@@ -50,15 +51,16 @@ class ColocatedPS(WorkerSession):
     """
 
     def __init__(self, group: GroupLike | Transport, *, num_servers: int,
-                 timeout: float | None = None, tag_base: int = SHARDED_TAG_BASE) -> None:
+                 timeout: float | None = None, tags: TagRange | None = None) -> None:
         rank = group.rank
+        tags = reserve_ps_tags(group, SHARDED_OWNER, tags)  # one range: server and client
         self._loopback = Loopback(rank)
         self.server: PSServer | None = None
         if 0 <= rank < num_servers:
             self.server = PSServer(group, num_servers=num_servers, timeout=timeout,
-                                   tag_base=tag_base, colocated=True, loopback=self._loopback)
+                                   tags=tags, colocated=True, loopback=self._loopback)
         self.client = PSClient(group, num_servers=num_servers, timeout=timeout,
-                               tag_base=tag_base, colocated=True, loopback=self._loopback)
+                               tags=tags, colocated=True, loopback=self._loopback)
         self.report: ServerReport | None = None
         """This rank's server report once ``close`` has returned (server ranks only)."""
         self._server_task: asyncio.Task[ServerReport] | None = None

@@ -4,14 +4,13 @@ Every parameter-server message is a plain array on the ``Transport``; control me
 are a fixed-length ``int64`` header, so no serializer runs on the hot path (parameter
 specifications and error texts are msgpack or UTF-8 bytes, sent once).
 
-Tags live in two ranges below ``2**32`` (the range the transport leaves to applications;
-``netdist.collectives`` allocates above it), one per mode, so a sync parameter server and
-a sharded one can share a transport. Each range is ``base + stream * 2**24 + index``: the
-stream is gradients, averages, control, ..., the index a piece or
-segment of it, so every piece has its own tag and posted receives can never be matched
-out of order.
-Pass a different ``tag_base`` to run two parameter servers of the same mode over one
-transport.
+Each parameter server talks on a ``TagRange`` it reserves from its group
+(``Group.reserve_tags``, owner ``SYNC_OWNER`` or ``SHARDED_OWNER``), so parameter servers,
+pipelines and collectives sharing a transport never meet on a tag, and a second server on
+the same ranks gets a range of its own. Within the range, chunk ``index`` of ``stream``
+is at ``stream * 2**24 + index``: the stream is gradients, averages, control, ..., the
+index a piece or segment of it, so every piece has its own tag and posted receives can
+never be matched out of order.
 """
 
 from __future__ import annotations
@@ -20,9 +19,11 @@ import enum
 
 import numpy as np
 
+from netdist.collectives.tags import TagRange
+
 __all__ = [
-    "SYNC_TAG_BASE",
-    "SHARDED_TAG_BASE",
+    "SYNC_OWNER",
+    "SHARDED_OWNER",
     "TAG_KIND_STRIDE",
     "MAX_CHUNKS",
     "SyncStream",
@@ -35,14 +36,14 @@ __all__ = [
     "stream_tag",
     "encode_header",
     "decode_header",
-    "check_tag_base",
+    "check_tag_range",
 ]
 
-SYNC_TAG_BASE = 0x5000_0000
-"""Default tag base of ``ParameterServer`` (sync, rank-0 server)."""
+SYNC_OWNER = "ps.sync"
+"""Owner name of the tag ranges ``ParameterServer`` (sync, rank-0 server) reserves."""
 
-SHARDED_TAG_BASE = 0x6000_0000
-"""Default tag base of ``PSServer`` / ``PSClient`` (dedicated servers)."""
+SHARDED_OWNER = "ps.sharded"
+"""Owner name of the tag ranges ``PSServer`` / ``PSClient`` / ``ColocatedPS`` reserve."""
 
 TAG_KIND_STRIDE = 2**24
 MAX_CHUNKS = TAG_KIND_STRIDE
@@ -111,21 +112,22 @@ NO_STALENESS_BOUND = -1
 """``max_staleness=None`` (fully asynchronous) on the wire."""
 
 
-def check_tag_base(tag_base: int) -> int:
-    """Validate a tag base: the whole span must fit below ``2**32``."""
-    if not isinstance(tag_base, int) or isinstance(tag_base, bool):
-        raise TypeError(f"tag_base must be an int, got {type(tag_base).__name__}")
-    if not 0 <= tag_base <= 2**32 - _TAG_SPAN:
-        raise ValueError(f"tag_base must be in 0..{2**32 - _TAG_SPAN} so the parameter "
-                         f"server's tags stay below 2**32, got {tag_base}")
-    return tag_base
+def check_tag_range(tags: TagRange) -> TagRange:
+    """Validate a reserved range: a ``TagRange`` holding every stream's tags."""
+    if not isinstance(tags, TagRange):
+        raise TypeError(f"tags must be a TagRange (from Group.reserve_tags), got "
+                        f"{type(tags).__name__}")
+    if tags.size < _TAG_SPAN:
+        raise ValueError(f"the parameter server needs {_TAG_SPAN} tags, {tags.owner}'s range "
+                         f"holds {tags.size}")
+    return tags
 
 
-def stream_tag(tag_base: int, stream: int, index: int = 0) -> int:
-    """The transport tag of chunk ``index`` of ``stream``."""
+def stream_tag(tags: TagRange, stream: int, index: int = 0) -> int:
+    """The transport tag of chunk ``index`` of ``stream`` in the server's range ``tags``."""
     if not 0 <= index < MAX_CHUNKS:
         raise ValueError(f"chunk index {index} is outside 0..{MAX_CHUNKS - 1}")
-    return tag_base + int(stream) * TAG_KIND_STRIDE + index
+    return tags.base + int(stream) * TAG_KIND_STRIDE + index
 
 
 def encode_header(kind: Kind, a: int = 0, b: int = 0, c: int = 0) -> np.ndarray:

@@ -49,15 +49,23 @@ from netdist.errors import (
     PeerLostError,
 )
 from netdist.optim import ShardOptimizer, optimizer_config_from_dict
-from netdist.ps._link import GroupLike, Loopback, RankFailure, first_error, open_endpoint, run_all
+from netdist.collectives.tags import TagRange
+from netdist.ps._link import (
+    GroupLike,
+    Loopback,
+    RankFailure,
+    first_error,
+    open_endpoint,
+    reserve_ps_tags,
+    run_all,
+)
 from netdist.ps.protocol import (
     NO_STALENESS_BOUND,
     PULL,
     PUSH,
-    SHARDED_TAG_BASE,
+    SHARDED_OWNER,
     Kind,
     ShardedStream,
-    check_tag_base,
     decode_header,
     encode_header,
     stream_tag,
@@ -98,7 +106,7 @@ class PSServer:
     """
 
     def __init__(self, group: GroupLike | Transport, *, num_servers: int,
-                 timeout: float | None = None, tag_base: int = SHARDED_TAG_BASE,
+                 timeout: float | None = None, tags: TagRange | None = None,
                  colocated: bool = False, loopback: Loopback | None = None) -> None:
         self._ep, self.roles = open_endpoint(group, num_servers=num_servers, timeout=timeout,
                                              colocated=colocated, loopback=loopback)
@@ -107,7 +115,8 @@ class PSServer:
                 f"rank {self._ep.rank} is a worker rank (servers are ranks "
                 f"0..{num_servers - 1}); run PSClient there")
         self.server = self._ep.rank
-        self.tag_base = check_tag_base(tag_base)
+        self.tags = reserve_ps_tags(group, SHARDED_OWNER, tags)
+        """The transport tags of this job's servers and workers (reserved from the group)."""
         self._workers = list(self.roles.worker_ranks)
         self.plan: ShardPlan | None = None
         self.shard: ServerShard | None = None
@@ -198,7 +207,7 @@ class PSServer:
     # -- init ----------------------------------------------------------------------------
 
     def _tag(self, stream: ShardedStream, index: int = 0) -> int:
-        return stream_tag(self.tag_base, stream, index)
+        return stream_tag(self.tags, stream, index)
 
     async def _recv(self, worker: int, stream: ShardedStream, what: str,
                     out: np.ndarray | None = None, index: int = 0) -> np.ndarray:
@@ -416,7 +425,7 @@ class PSServer:
 
 async def serve(group: GroupLike | Transport, *, num_servers: int,
                 timeout: float | None = None,
-                tag_base: int = SHARDED_TAG_BASE) -> ServerReport:
+                tags: TagRange | None = None) -> ServerReport:
     """Run one dedicated server on this rank until every worker is done."""
     return await PSServer(group, num_servers=num_servers, timeout=timeout,
-                          tag_base=tag_base).run()
+                          tags=tags).run()

@@ -55,8 +55,9 @@ from netdist.errors import (
     ParameterServerError,
     PeerLostError,
 )
-from netdist.ps._link import Endpoint, GroupLike, RankFailure, first_error, run_all
-from netdist.ps.protocol import SYNC_TAG_BASE, SyncStream, check_tag_base, stream_tag
+from netdist.collectives.tags import TagRange
+from netdist.ps._link import Endpoint, GroupLike, RankFailure, first_error, reserve_ps_tags, run_all
+from netdist.ps.protocol import SYNC_OWNER, SyncStream, stream_tag
 from netdist.ps.messages import FlatLayout, Piece, plan_pieces
 from netdist.tensors import StagedOut, as_array, is_tensor, stage_out, to_tensor
 from netdist.transport.base import Transport
@@ -113,13 +114,15 @@ class ParameterServer:
     The server rank also trains: its gradients count like everyone else's.
 
     ``timeout`` bounds every wait of a round (default: the group's/transport's).
-    ``tag_base`` picks this server's tag range (see ``netdist.ps.protocol``); give two
-    ``ParameterServer`` objects on overlapping ranks different bases.
+    ``tags``: the transport tags to talk on; by default the server reserves the next
+    range of its group (``Group.reserve_tags``), so a second ``ParameterServer`` on the
+    same ranks gets its own without being told, provided every rank builds them in the
+    same order.
     """
 
     def __init__(self, group: GroupLike | Transport, *, root: int = 0,
                  timeout: float | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 tag_base: int = SYNC_TAG_BASE) -> None:
+                 tags: TagRange | None = None) -> None:
         self._ep = Endpoint(group, timeout)
         if not 0 <= root < self._ep.world_size:
             raise ValueError(f"root {root} is outside 0..{self._ep.world_size - 1}")
@@ -127,7 +130,8 @@ class ParameterServer:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.root = root
         self.chunk_bytes = int(chunk_bytes)
-        self.tag_base = check_tag_base(tag_base)
+        self.tags = reserve_ps_tags(group, SYNC_OWNER, tags)
+        """The transport tags this server talks on (reserved from the group)."""
         self._workers = [r for r in range(self._ep.world_size) if r != root]
         self._prepared: dict[Any, _Prepared] = {}
         self._closed = False
@@ -274,7 +278,7 @@ class ParameterServer:
         return prep
 
     def _tag(self, stream: SyncStream, index: int = 0) -> int:
-        return stream_tag(self.tag_base, stream, index)
+        return stream_tag(self.tags, stream, index)
 
     async def _recv_from(self, worker: int, tag: int, out: np.ndarray | None,
                          timeout: float, what: str) -> np.ndarray:

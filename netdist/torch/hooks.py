@@ -90,7 +90,9 @@ from netdist.parallel.aggregators import Fp16AllReduceAggregator, TopKAggregator
 from netdist.progress import Job
 from netdist.progress.proxy import unwrap
 from netdist.ps import ColocatedPS, ParameterServer, SGDConfig, ServerReport, VersionLogEntry
-from netdist.ps.protocol import SHARDED_TAG_BASE, SYNC_TAG_BASE
+from netdist.collectives.tags import TagRange
+from netdist.ps._link import reserve_ps_tags
+from netdist.ps.protocol import SHARDED_OWNER
 from netdist.tensors import as_array
 from netdist.types import (
     BFLOAT16,
@@ -577,8 +579,8 @@ class Bf16Hook(_CastHook):
 # -- parameter server ---------------------------------------------------------------------------
 
 async def _new_parameter_server(group: Group, root: int, timeout: float | None,
-                                tag_base: int) -> ParameterServer:
-    return ParameterServer(group, root=root, timeout=timeout, tag_base=tag_base)
+                                tags: TagRange | None) -> ParameterServer:
+    return ParameterServer(group, root=root, timeout=timeout, tags=tags)
 
 
 class ParameterServerHook(CommHookState):
@@ -593,16 +595,16 @@ class ParameterServerHook(CommHookState):
     Bytes per bucket of ``B`` bytes: a worker sends and receives ``B``; the server
     receives and sends ``(world_size - 1) x B`` (a star, not a ring: the server's link
     carries everything). ``netdist_bytes_sent`` adds the layout each rank announces once
-    per new bucket layout. ``tag_base`` picks the server's transport tag range: give
-    each ``ParameterServer`` on one job its own.
+    per new bucket layout. ``tags``: the server's transport tags; by default the next
+    range reserved from the job's group, so each hook on one job has its own.
     """
 
     def __init__(self, job: Job, *, root: int = 0, timeout: float | None = None,
-                 tag_base: int = SYNC_TAG_BASE) -> None:
+                 tags: TagRange | None = None) -> None:
         super().__init__(job, timeout=timeout)
         self.root = root
         self._ps: ParameterServer = job.run(
-            _new_parameter_server(self._group, root, timeout, tag_base))
+            _new_parameter_server(self._group, root, timeout, tags))
 
     @property
     def is_server(self) -> bool:
@@ -657,7 +659,7 @@ class BoundedStalenessHook(CommHookState):
 
     def __init__(self, job: Job, *, max_staleness: int | None = 1,
                  num_servers: int | None = None, dtype: torch.dtype = torch.float64,
-                 timeout: float | None = None, tag_base: int = SHARDED_TAG_BASE) -> None:
+                 timeout: float | None = None, tags: TagRange | None = None) -> None:
         if max_staleness is not None and (not isinstance(max_staleness, int)
                                           or isinstance(max_staleness, bool)
                                           or max_staleness < 0):
@@ -670,7 +672,9 @@ class BoundedStalenessHook(CommHookState):
         super().__init__(job, timeout=timeout)
         self.max_staleness = max_staleness
         self.num_servers = servers
-        self.tag_base = tag_base
+        self.tags = reserve_ps_tags(self._group, SHARDED_OWNER, tags)
+        """The transport tags of this hook's servers and workers (reserved at construction,
+        so hooks built in the same order on every rank agree)."""
         self._np_dtype = np.dtype(np.float64 if dtype is torch.float64 else np.float32)
         self._names: dict[int, tuple[torch.Tensor, str]] = {}  # hook thread
         self._pending: list[tuple[_Bucket, torch.futures.Future[torch.Tensor]]] = []
@@ -731,7 +735,7 @@ class BoundedStalenessHook(CommHookState):
         ps = self._ps
         if ps is None:
             ps = ColocatedPS(self._group, num_servers=self.num_servers, timeout=self.timeout,
-                             tag_base=self.tag_base)
+                             tags=self.tags)
             zeros = {name: np.zeros(g.shape, self._np_dtype) for name, g in grads.items()}
             try:
                 initial = await ps.init(zeros, optimizer=SGDConfig(lr=1.0),

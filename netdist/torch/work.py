@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from netdist.errors import BlockingCallError
 from netdist.progress.thread import ProgressThread
 from netdist.torch.errors import to_torch_error
 
@@ -59,8 +60,9 @@ class NetdistWork(dist.Work):
         """
         seconds = timeout.total_seconds() if timeout else 0.0
         if not self._future.done() and self._progress.on_thread():
-            raise RuntimeError(f"{self._op}: wait() on netdist's progress thread would block "
-                               "the loop that completes it; chain on get_future() instead")
+            raise BlockingCallError(f"{self._op}: wait() on netdist's progress thread would "
+                                    "block the loop that completes it; chain on "
+                                    "get_future() instead")
         try:
             self._progress.wait(self._settled, seconds or None, self._op)
             self._future.result()

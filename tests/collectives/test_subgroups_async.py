@@ -193,7 +193,8 @@ async def test_aclose_cancels_outstanding_work() -> None:
         sub = g.new_group([0, 1])
         work = await g.all_reduce(np.zeros(3), async_op=True, timeout=5)
         sub_work = await sub.barrier(async_op=True, timeout=5)
-        await asyncio.sleep(0)
+        await work.started()
+        await sub_work.started()
         assert not work.done()
         async with asyncio.timeout(2):
             await g.aclose()
@@ -310,7 +311,8 @@ async def test_closed_transport_mid_collective_wakes_waiters() -> None:
     try:
         works = [await g.all_reduce(np.ones(1000), async_op=True, timeout=2)
                  for g in groups[:2]]
-        await asyncio.sleep(0)
+        for w in works:
+            await w.started()
         await transports[2].aclose()  # rank 2 never joins and goes away
         for w in works:
             with pytest.raises((PeerLostError, NetdistTimeoutError)) as info:

@@ -485,8 +485,8 @@ async def test_sharded_state_dict_specs_and_full_state_dict():
         assert sd.step == 1 and sd.hyperparams["lr"] == 0.01
         assert set(sd.tensors) == set(full) | {f"optim.{k}.{m}" for k in full
                                                for m in ("exp_avg", "exp_avg_sq")}
-        for name, kwargs in sd.specs.items():
-            spec = TensorShardSpec(**kwargs)
+        for name, spec in sd.specs.items():
+            assert isinstance(spec, TensorShardSpec)
             assert spec.local_shape(rank) == sd.tensors[name].shape
         for name, value in full.items():
             assert sd.shapes[name] == value.shape
@@ -503,8 +503,8 @@ async def test_hybrid_sharded_state_dict_names_node_zero_as_owner():
 
     results = await run_ranks(make_groups(4), rank_fn)
     spec = results[0].specs["0.weight"]
-    assert spec["shard_dim"] == 0 and spec["full_shape"] == (117,)
-    assert spec["shard_sizes"] == (65, 52, 0, 0)   # 130-element unit over 2: 65 | 65
+    assert spec.shard_dim == 0 and spec.full_shape == (117,)
+    assert spec.shard_sizes == (65, 52, 0, 0)   # 130-element unit over 2: 65 | 65
     assert [r.tensors["0.weight"].size for r in results] == [65, 52, 0, 0]
 
 
@@ -519,7 +519,7 @@ async def test_checkpoint_round_trip_to_another_world_size(tmp_path, strategy, n
     batches = make_batches(12, steps=4)
 
     def to_state(sd: ShardedStateDict) -> dict[str, Any]:
-        tensors = {k: ShardedArray(v) if sd.specs[k]["shard_dim"] == 0 else v
+        tensors = {k: ShardedArray(v) if sd.specs[k].shard_dim == 0 else v
                    for k, v in sd.tensors.items()}
         return {"tensors": tensors, "step": sd.step}
 

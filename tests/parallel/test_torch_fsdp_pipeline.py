@@ -323,7 +323,7 @@ async def test_fsdp_state_dicts_of_torch_layers_are_tensors_over_live_storage(dt
                     optimizer=ShardedSGD(LR, momentum=MOMENTUM))
         sd = fsdp.sharded_state_dict()
         assert all(torch.is_tensor(v) and v.dtype == dt for v in sd.tensors.values())
-        assert {spec["dtype"] for spec in sd.specs.values()} == {dtype}
+        assert {spec.dtype for spec in sd.specs.values()} == {dtype}
         for value in sd.tensors.values():  # an in-place load writes through the views
             value.fill_(rank + 1)
         await fsdp.load_sharded_state_dict(sd.tensors)

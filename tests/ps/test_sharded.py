@@ -275,7 +275,7 @@ class GatedTransport(InProcessTransport):
 
 
 async def test_a_push_counts_only_once_its_gradient_has_landed() -> None:
-    from netdist.ps.protocol import SHARDED_TAG_BASE, ShardedStream, stream_tag
+    from netdist.ps.protocol import ShardedStream, stream_tag
 
     transports = InProcessTransport.create_group(3, timeout=10.0)
     slow = transports[1]
@@ -290,7 +290,7 @@ async def test_a_push_counts_only_once_its_gradient_has_landed() -> None:
         async with PSClient(transports[1 + index], num_servers=1) as client:
             await client.init([np.zeros(4)], optimizer=SGDConfig(lr=1.0))
             if index == 0:  # its header goes out at once, the gradient only later
-                slow.gated_tag = stream_tag(SHARDED_TAG_BASE, ShardedStream.DATA)
+                slow.gated_tag = stream_tag(client.tags, ShardedStream.DATA)
                 step = asyncio.ensure_future(client.step([np.full(4, 2.0)]))
                 armed.set()
                 await server.wait_until(lambda s: s.clock.state(1).value == "pending")

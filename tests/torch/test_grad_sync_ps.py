@@ -86,11 +86,10 @@ def netdist_worker(rank: int, world_size: int, backend: str, init_method: str,
     import netdist
     from netdist.progress.proxy import unwrap
     from netdist.ps import ColocatedPS, ParameterServer, ServerOptimizerAggregator, SGDConfig
-    from netdist.ps.protocol import SHARDED_TAG_BASE
     from netdist.ps.state import WorkerState
     from netdist.torch.sync import GradientSync
 
-    span = 8 * 2**24  # one sharded server's tag range: each scenario gets its own
+    ranges = set()  # each scenario reserves its own tag range from the group
     port = urlparse(init_method).port
     results: dict[str, Any] = {}
     with netdist.connect(rank=rank, world_size=world_size, token=token,
@@ -112,8 +111,9 @@ def netdist_worker(rank: int, world_size: int, backend: str, init_method: str,
                 ("sharded", 2, 0, torch.float32), ("bounded", 1, BOUND, torch.float32),
                 ("async", 2, None, torch.float32), ("bf16", 2, 0, torch.bfloat16)]):
             model = make_model(seed=rank, dtype=dtype)
-            colocated = job.make(ColocatedPS, job.group, num_servers=servers,
-                                 tag_base=SHARDED_TAG_BASE + index * span)
+            colocated = job.make(ColocatedPS, job.group, num_servers=servers)
+            ranges.add(unwrap(colocated).client.tags.base)
+            assert len(ranges) == index + 1
             updates = job.make(ServerOptimizerAggregator, colocated,
                                optimizer=SGDConfig(lr=LR, momentum=MOMENTUM),
                                max_staleness=staleness, bigarray_bound=BIGARRAY)
