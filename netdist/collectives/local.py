@@ -157,19 +157,27 @@ class HostArena:
     def _pieces(self, flat: np.ndarray, chunks: Sequence[tuple[int, int]]) -> _Pieces:
         return _Pieces(chunks, max(1, self.slot_bytes // (len(chunks) * flat.itemsize)))
 
-    def _copy_in(self, flat: np.ndarray, pieces: _Pieces, k: int) -> None:
-        slot = self.slot(k % 2, self.layout.local, flat.dtype, len(pieces.chunks) * pieces.piece)
+    def _copy_in(self, flat: np.ndarray, pieces: _Pieces, k: int, own: bool = True) -> None:
+        """Stage round ``k``'s pieces of ``flat`` in this rank's slot for the ranks that
+        fold them; this rank's own piece only if ``own`` (else its fold reads ``flat``)."""
+        me = self.layout.local
+        slot = self.slot(k % 2, me, flat.dtype, len(pieces.chunks) * pieces.piece)
         for j, (a, b) in enumerate(pieces.of(k)):
-            slot[j * pieces.piece:j * pieces.piece + b - a] = flat[a:b]
+            if own or j != me:
+                slot[j * pieces.piece:j * pieces.piece + b - a] = flat[a:b]
 
     def _fold(self, op: ReduceOp, dtype: np.dtype, pieces: _Pieces, k: int,
-              out: np.ndarray, divisor: int | None) -> None:
-        """``out`` = this rank's piece of round ``k`` folded over every slot, lowest first."""
+              out: np.ndarray, divisor: int | None, flat: np.ndarray | None = None) -> None:
+        """``out`` = this rank's piece of round ``k`` folded over every slot, lowest first;
+        with ``flat`` (which ``out`` must not overlap), this rank's own contribution is
+        read from there instead of from its slot (``_copy_in(own=False)``)."""
         j = self.layout.local
         a, b = pieces.of(k)[j]
         lo, hi = j * pieces.piece, j * pieces.piece + b - a
         width = len(pieces.chunks) * pieces.piece
         slots = [self.slot(k % 2, i, dtype, width)[lo:hi] for i in range(self.local_size)]
+        if flat is not None:
+            slots[j] = flat[a:b]
         combine(op, slots[0], slots[1], out)
         for other in slots[2:]:
             combine(op, out, other, out)
@@ -184,16 +192,16 @@ class HostArena:
         pieces = self._pieces(flat, chunk_bounds(flat.size, n))
         width = n * pieces.piece
         j = self.layout.local
-        self._copy_in(flat, pieces, 0)
+        self._copy_in(flat, pieces, 0, own=False)
         await self._signal(chan, _SUB_IN)
         for k in range(pieces.rounds):
             await self._wait(chan, _SUB_IN)
             result = self.result(k % 2, flat.dtype, width)
             self._fold(op, flat.dtype, pieces, k, result[j * pieces.piece:
-                       j * pieces.piece + _length(pieces.of(k)[j])], divisor)
+                       j * pieces.piece + _length(pieces.of(k)[j])], divisor, flat)
             await self._signal(chan, _SUB_REDUCED)
             if k + 1 < pieces.rounds:
-                self._copy_in(flat, pieces, k + 1)
+                self._copy_in(flat, pieces, k + 1, own=False)
                 await self._signal(chan, _SUB_IN)
             await self._wait(chan, _SUB_REDUCED)
             for i, (a, b) in enumerate(pieces.of(k)):
@@ -208,14 +216,16 @@ class HostArena:
         self._size_slots(flat.nbytes)
         pieces = self._pieces(flat, chunks)
         lo = chunks[self.layout.local][0]
+        own = np.may_share_memory(out, flat)  # else the fold reads this rank's piece in place
         for k in range(pieces.rounds):
             if k >= 2:  # parity k % 2 was last read in round k - 2
                 await self._wait(chan, _SUB_REDUCED)
-            self._copy_in(flat, pieces, k)
+            self._copy_in(flat, pieces, k, own)
             await self._signal(chan, _SUB_IN)
             await self._wait(chan, _SUB_IN)
             a, b = pieces.of(k)[self.layout.local]
-            self._fold(op, flat.dtype, pieces, k, out[a - lo:b - lo], divisor)
+            self._fold(op, flat.dtype, pieces, k, out[a - lo:b - lo], divisor,
+                       None if own else flat)
             await self._signal(chan, _SUB_REDUCED)
         for _ in range(min(2, pieces.rounds)):
             await self._wait(chan, _SUB_REDUCED)

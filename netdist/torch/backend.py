@@ -24,7 +24,6 @@ Semantics follow Gloo's on CPU (torch's reference for this device):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -38,8 +37,8 @@ from netdist.collectives.group import Group
 from netdist.errors import CollectiveMismatchError, NetdistTimeoutError, PeerLostError
 from netdist.progress.job import Job
 from netdist.torch.errors import to_torch_error
-from netdist.torch.tensors import Staged, as_array, as_bytes, check_cpu, stage
-from netdist.torch.work import NetdistWork
+from netdist.torch.tensors import Staged, ViewCache, as_array, as_bytes, check_cpu, stage
+from netdist.torch.work import ENDED, NetdistWork
 from netdist.types import ReduceOp
 
 __all__ = ["ProcessGroupNetdist", "BACKEND_NAME", "USER_TAG_LIMIT"]
@@ -128,6 +127,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         self._seconds = timeout.total_seconds()
         self._owns_job = owns_job
         self._pending: set[Any] = set()
+        self._views = ViewCache()
         self._monitored = 0
         self._torch_name = ""
         self._torch_desc = ""
@@ -202,28 +202,42 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         ``asyncop`` is the torch options' ``asyncOp`` (False for a blocking call).
         """
 
+        copies = [item for item in staged if item.work is not item.tensor]
+
         async def run() -> None:
             await body()
-            for item in staged:
+            for item in copies:
                 item.finish()
 
         if not asyncop and not self._pending:
             # a blocking call with nothing of this group in flight: run it right here
             # (driving the loop when it is free), skipping the thread-safe hand-off; with
             # earlier calls still queued it must queue behind them to keep tag order
-            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
             try:
-                future.set_result(self._progress.run(run()))
+                self._progress.run(run() if copies else body())
             except BaseException as exc:  # noqa: BLE001 - a torch error, now
                 raise to_torch_error(exc) from exc
-            return NetdistWork(future, self._progress, op, outputs, source)
+            return NetdistWork(ENDED, self._progress, op, outputs, source)
         try:
-            future = self._progress.submit(run())
+            future = self._progress.submit(run() if copies else body())
         except BaseException as exc:  # noqa: BLE001 - a closed job: a torch error
             raise to_torch_error(exc) from exc
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
         return NetdistWork(future, self._progress, op, outputs, source)
+
+    def _reduce_view(self, tensor: torch.Tensor, op: str) -> tuple[np.ndarray, list[Staged]]:
+        """``tensor`` as an array to reduce in place, and the staging to copy back (none
+        for a contiguous tensor, whose view is cached for the next call: ``ViewCache``)."""
+        array = self._views.lookup(tensor)
+        if array is not None:
+            return array, []
+        staged = stage(tensor, op)
+        array = as_array(staged.work, op)
+        if staged.work is tensor:
+            self._views.store(tensor, array)
+            return array, []
+        return array, [staged]
 
     # -- reductions ------------------------------------------------------------------
 
@@ -231,14 +245,13 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         opts = opts if opts is not None else c10d.AllreduceOptions()
         tensor = _one(tensors, "allreduce")
         op = reduce_op(opts, "allreduce")
-        staged = stage(tensor, "allreduce")
-        array = as_array(staged.work, "allreduce")
+        array, staged = self._reduce_view(tensor, "allreduce")
         group, timeout = self._group, self._timeout(opts)
 
         async def body() -> None:
             await group.all_reduce(array, op, timeout=timeout)
 
-        return self._start("allreduce", body, [tensor], [staged], asyncop=opts.asyncOp)
+        return self._start("allreduce", body, [tensor], staged, asyncop=opts.asyncOp)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor],
                             opts: Any = None) -> NetdistWork:

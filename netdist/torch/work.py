@@ -23,7 +23,18 @@ from netdist.errors import BlockingCallError
 from netdist.progress.thread import ProgressThread
 from netdist.torch.errors import to_torch_error
 
-__all__ = ["NetdistWork"]
+__all__ = ["NetdistWork", "ENDED"]
+
+
+def _ended() -> concurrent.futures.Future[Any]:
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    future.set_result(None)
+    return future
+
+
+ENDED = _ended()
+"""The future of every operation that ended before its ``NetdistWork`` was made (a
+blocking call run in place): a completed future never changes, so they share one."""
 
 
 class NetdistWork(dist.Work):
@@ -40,12 +51,16 @@ class NetdistWork(dist.Work):
         self._source = source
         self._torch_future: torch.futures.Future[list[torch.Tensor]] | None = None
         # completed (with None) when the operation ends, however it ends: what wait()
-        # waits on, so the progress thread never mirrors a failed future into asyncio
-        self._settled: concurrent.futures.Future[None] = concurrent.futures.Future()
-        future.add_done_callback(self._settle)
+        # waits on, so the progress thread never mirrors a failed future into asyncio;
+        # not needed for an operation that already ended (a blocking call run in place)
+        self._settled: concurrent.futures.Future[None] | None = None
+        if not future.done():
+            self._settled = concurrent.futures.Future()
+            future.add_done_callback(self._settle)
 
     def _settle(self, _: concurrent.futures.Future[Any]) -> None:
-        self._settled.set_result(None)
+        if self._settled is not None:
+            self._settled.set_result(None)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Block until the operation is done; raise its error as a torch error.
@@ -58,13 +73,14 @@ class NetdistWork(dist.Work):
         error unread, logged at exit as "Future exception was never retrieved" beside the
         real error.
         """
-        seconds = timeout.total_seconds() if timeout else 0.0
         if not self._future.done() and self._progress.on_thread():
             raise BlockingCallError(f"{self._op}: wait() on netdist's progress thread would "
                                     "block the loop that completes it; chain on "
                                     "get_future() instead")
         try:
-            self._progress.wait(self._settled, seconds or None, self._op)
+            if self._settled is not None:  # the operation had not ended at construction
+                seconds = timeout.total_seconds() if timeout else 0.0
+                self._progress.wait(self._settled, seconds or None, self._op)
             self._future.result()
         except BaseException as exc:  # noqa: BLE001 - translated for torch callers
             raise to_torch_error(exc) from exc.__cause__
