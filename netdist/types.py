@@ -43,6 +43,7 @@ __all__ = [
     "float32_to_bfloat16",
     "widen_bfloat16",
     "cast_into",
+    "scaled",
 ]
 
 
@@ -180,6 +181,18 @@ def cast_into(target: np.ndarray, source: np.ndarray) -> None:
         float32_to_bfloat16(widen_bfloat16(source), out=target)
     else:
         np.copyto(target, widen_bfloat16(source), casting="same_kind")
+
+
+def scaled(array: np.ndarray, factor: float, out: np.ndarray | None = None) -> np.ndarray:
+    """``array * factor`` in ``array``'s dtype, into ``out`` (a new array when None; pass
+    ``array`` itself to scale in place): bfloat16 through one float32 multiply, rounded
+    to nearest even, as torch multiplies a bfloat16 tensor by a number."""
+    if is_bfloat16(array.dtype):
+        wide = bfloat16_to_float32(array)
+        wide *= factor
+        return float32_to_bfloat16(wide, out=np.empty(array.shape, array.dtype)
+                                   if out is None else out)
+    return np.multiply(array, factor, out=out)
 
 
 _BF16_NAN = 0x7FC0  # the quiet NaN torch's bfloat16 kernels produce

@@ -217,6 +217,15 @@ def _tensor_io(array: Any, out: Any, what: str
     return array, wrap, out, staged
 
 
+def _in_place(array: Any, what: str, writeable: bool) -> tuple[Any, np.ndarray]:
+    """``(tensor, array)`` for a collective that works in place: a tensor input and its
+    NumPy view (``tensor`` None for a NumPy input), checked for a wire dtype."""
+    tensor = None
+    if not isinstance(array, np.ndarray):
+        tensor, array = array, as_array(array, what, writeable=writeable)
+    return tensor, _check_array(array, what, writeable=writeable)
+
+
 def _timeout_value(timeout: float | None, what: str) -> float | None:
     if timeout is None:
         return None
@@ -600,10 +609,7 @@ class Group:
         """
         self._check_member("all_reduce")
         op = _as_op(op)
-        tensor = None
-        if not isinstance(array, np.ndarray):
-            tensor, array = array, as_array(array, "all_reduce", writeable=True)
-        _check_array(array, "all_reduce", writeable=True)
+        tensor, array = _in_place(array, "all_reduce", True)
         check_reduce_dtype(op, array.dtype, "all_reduce")
         work, flat = self._flat(array)
         n = self.world_size
@@ -827,10 +833,7 @@ class Group:
         """Copy ``array`` from group rank ``src`` into ``array`` on every rank, in place."""
         self._check_member("broadcast")
         src = self._peer(src, "broadcast src")
-        tensor = None
-        if not isinstance(array, np.ndarray):
-            tensor, array = array, as_array(array, "broadcast", writeable=True)
-        _check_array(array, "broadcast", writeable=True)
+        tensor, array = _in_place(array, "broadcast", True)
         work, flat = self._flat(array)
         ticket = self._ticket(flat.nbytes)
 
@@ -878,10 +881,7 @@ class Group:
         self._check_member("reduce")
         dst = self._peer(dst, "reduce dst")
         op = _as_op(op)
-        tensor = None
-        if not isinstance(array, np.ndarray):
-            tensor, array = array, as_array(array, "reduce", writeable=self._rank == dst)
-        _check_array(array, "reduce", writeable=self._rank == dst)
+        tensor, array = _in_place(array, "reduce", self._rank == dst)
         check_reduce_dtype(op, array.dtype, "reduce")
         work, flat = self._flat(array)
         n = self.world_size

@@ -158,8 +158,7 @@ from netdist.parallel.fsdp_units import ForwardCtx, Unit, build_units
 from netdist.parallel.sharded_optim import ShardedOptimizer, sharded_optimizer_from
 from netdist.parallel.tensor_kind import array_of, tensor_of
 from netdist.tensors import is_tensor
-from netdist.types import (ReduceOp, bfloat16_to_float32, float32_to_bfloat16, is_bfloat16,
-                           widen_bfloat16)
+from netdist.types import ReduceOp, scaled, widen_bfloat16
 
 if TYPE_CHECKING:
     from netdist.collectives import Group
@@ -513,7 +512,7 @@ class FSDP:
         coef = float(max_norm) / (norm + 1e-6)
         if coef < 1.0:
             for unit in self._units:
-                _scale(unit.grad[:unit.valid], coef)
+                scaled(unit.grad[:unit.valid], coef, out=unit.grad[:unit.valid])
         return norm
 
     # -- state dicts -----------------------------------------------------------------------
@@ -646,13 +645,3 @@ def _check_agreement(everyone: list[dict[str, Any]]) -> None:
 def _as_given(obj: Any, tensor: bool, what: str) -> Any:
     """A result in the kind the caller gave: a tensor, or else an array."""
     return tensor_of(obj, what) if tensor else array_of(obj, what)
-
-
-def _scale(grad: np.ndarray, coef: float) -> None:
-    """``grad *= coef`` in place (bfloat16 in float32, rounded back once)."""
-    if is_bfloat16(grad.dtype):
-        wide = bfloat16_to_float32(grad)
-        wide *= coef
-        float32_to_bfloat16(wide, out=grad)
-    else:
-        grad *= coef

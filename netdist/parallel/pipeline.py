@@ -76,7 +76,7 @@ from netdist.parallel.tensor_kind import array_of, holds_tensors, tensor_of
 from netdist.sharding import chunk_bounds
 from netdist.tensors import is_tensor
 from netdist.transport.base import Transport
-from netdist.types import ReduceOp, bfloat16_to_float32, float32_to_bfloat16, is_bfloat16
+from netdist.types import ReduceOp, scaled
 
 if TYPE_CHECKING:
     from netdist.collectives import Group
@@ -536,16 +536,6 @@ class _StepCounters:
     bytes_received: int = 0
 
 
-def _weighted(grad: np.ndarray, weight: float) -> np.ndarray:
-    """``grad * weight`` in ``grad``'s dtype: bfloat16 through one float32 multiply,
-    rounded to nearest even, as torch multiplies a bfloat16 tensor by a number."""
-    if is_bfloat16(grad.dtype):
-        wide = bfloat16_to_float32(grad)
-        wide *= weight
-        return float32_to_bfloat16(wide, out=np.empty(grad.shape, grad.dtype))
-    return grad * weight
-
-
 @dataclass(slots=True, eq=False)
 class _StepRun:
     """One mini-batch on one stage: the runtime's ``ActionExecutor`` (see
@@ -610,7 +600,7 @@ class _StepRun:
                                     "a loss but no loss gradient")
             weight = len(target) / self.batch_rows
             self.loss_total += weight * loss
-            self.loss_grads[mb] = _weighted(grad, weight)
+            self.loss_grads[mb] = scaled(grad, weight)
         else:
             self.outputs[mb] = y
         nbytes = stash_nbytes(ctx)

@@ -24,7 +24,7 @@ Semantics follow Gloo's on CPU (torch's reference for this device):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -194,7 +194,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             return value.total_seconds()
         return self._seconds
 
-    def _start(self, op: str, body: Callable[[], Awaitable[Any]],
+    def _start(self, op: str, body: Callable[[], Coroutine[Any, Any, Any]],
                outputs: list[torch.Tensor], staged: Sequence[Staged] = (),
                source: Callable[[], int] | None = None, asyncop: bool = True) -> NetdistWork:
         """Run ``body`` on the progress thread; copy staged tensors back when it is done.

@@ -12,6 +12,7 @@ complex as pairs of reals (torch's own frontends pass complex tensors to reducti
 from __future__ import annotations
 
 import ctypes
+import functools
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -131,15 +132,15 @@ class ViewCache:
             return
         key = id(tensor)
         memory = (ctypes.c_char * array.nbytes).from_address(tensor.data_ptr())
-        view = np.frombuffer(memory, dtype=array.dtype).reshape(array.shape)
+        view = np.frombuffer(memoryview(memory), dtype=array.dtype).reshape(array.shape)
         entries = self._entries
-        entries[key] = (weakref.ref(tensor, lambda _, key=key: self._drop(key)),
+        entries[key] = (weakref.ref(tensor, functools.partial(self._drop, key)),
                         _signature(tensor), view)
         entries.move_to_end(key)
         if len(entries) > self.capacity:
             entries.popitem(last=False)
 
-    def _drop(self, key: int) -> None:
+    def _drop(self, key: int, _: object = None) -> None:
         entry = self._entries.get(key)
         if entry is not None and entry[0]() is None:
             del self._entries[key]

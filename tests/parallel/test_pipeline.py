@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Callable, Sequence
@@ -570,55 +567,31 @@ KILL_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_sigkilled_stage_process_makes_the_others_raise(tmp_path: Path) -> None:
     require("netdist.transport.setup", "init")
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     script = tmp_path / "pipe_kill.py"
     script.write_text(KILL_SCRIPT)
     victim, world, pipe_timeout = 1, 3, 15.0
-    repo = str(Path(__file__).resolve().parents[2])
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, NETDIST_RANK=str(rank), NETDIST_WORLD_SIZE=str(world),
-                   NETDIST_COORDINATOR=f"127.0.0.1:{port}", NETDIST_TOKEN="pipe-kill-test",
-                   NETDIST_JOB_ID="pipe-kill", PIPE_TIMEOUT=str(pipe_timeout),
-                   PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        procs.append(subprocess.Popen([sys.executable, str(script), str(victim)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+    coordinator, token = f"127.0.0.1:{ranks.free_port()}", "pipe-kill-test"
+
+    def env(rank: int) -> dict[str, str]:
+        return dict(ranks.rank_env(rank, world, coordinator, token, "pipe-kill"),
+                    PIPE_TIMEOUT=str(pipe_timeout))
+
+    procs = ranks.start_processes([[str(script), str(victim)]] * world, env=env)
     try:
-        victim_proc = procs[victim]
-        deadline = time.monotonic() + 60
-        assert victim_proc.stdout is not None
-        lines = []
-        while time.monotonic() < deadline:
-            line = victim_proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "VICTIM-MID-STEP" in line:
-                break
-        assert any("VICTIM-MID-STEP" in line for line in lines), "".join(lines)
+        procs[victim].expect("VICTIM-MID-STEP", timeout=60)
         killed_at = time.monotonic()
-        victim_proc.send_signal(signal.SIGKILL)
-        victim_proc.wait(timeout=10)
-        for rank in range(world):
-            if rank == victim:
-                continue
-            out, _ = procs[rank].communicate(timeout=pipe_timeout + 20)
-            elapsed = time.monotonic() - killed_at
-            assert procs[rank].returncode == 3, out
+        procs[victim].proc.send_signal(signal.SIGKILL)
+        survivors = ranks.finish_ranks([p for p in procs if p.rank != victim],
+                                       timeout=pipe_timeout + 20)
+        elapsed = time.monotonic() - killed_at
+        for done in survivors:
+            out = done.stdout
+            assert done.returncode == 3, out
             assert "STEP-OK" in out and "RAISED" in out, out
             # the victim's sockets close with the process: a lost peer, not a timeout
             assert "RAISED PeerLostError" in out, out
             assert "rank 1" in out, out
-            assert elapsed < pipe_timeout, out
+        assert elapsed < pipe_timeout, [done.stdout for done in survivors]
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-            if proc.stdout is not None:
-                proc.stdout.close()
+            proc.kill()
