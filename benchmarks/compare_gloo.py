@@ -18,6 +18,11 @@ Gloo targets of issue 3 would need.
     python benchmarks/compare_gloo.py --world-sizes 2,4 --ops all_reduce \\
         --sizes 8,1M,16M,64M,256M --iters 10 --repeats 3 --json out.json
 
+``--mpi`` adds Open MPI in the same run, interleaved with the other two: the collectives
+of ``mpi_collectives.c`` (built with ``mpicc``, run with ``mpirun`` on this host, so MPI
+moves bytes through its shared-memory transport), timed the same way; the issue-16
+targets name Open MPI's figures. Needs ``apt-get install openmpi-bin libopenmpi-dev``.
+
 Every child is bounded by ``--child-timeout``; loopback only.
 """
 
@@ -327,6 +332,41 @@ def _run_backend(backend: str, n: int, spec: dict[str, Any], timeout: float) -> 
             return json.load(fh)
 
 
+def _build_mpi(tmp: str) -> str:
+    """Compile ``mpi_collectives.c`` into ``tmp``; the path of the program."""
+    import shutil
+    import subprocess
+
+    if shutil.which("mpicc") is None or shutil.which("mpirun") is None:
+        sys.exit("--mpi needs mpicc and mpirun (apt-get install openmpi-bin libopenmpi-dev)")
+    program = os.path.join(tmp, "mpi_collectives")
+    subprocess.run(["mpicc", "-O2", "-o", program,
+                    os.path.join(os.path.dirname(HERE), "mpi_collectives.c")], check=True)
+    return program
+
+
+def _run_mpi(program: str, n: int, spec: dict[str, Any], timeout: float) -> list[dict]:
+    """One Open MPI run of ``spec``'s ops and sizes on ``n`` local ranks."""
+    import subprocess
+
+    pairs = [str(x) for op in spec["ops"] if op != "barrier"
+             for size in spec["sizes"] for x in (op, size)]
+    command = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n),
+               program, str(spec["iters"]), str(spec["warmup"]), *pairs]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env=env)
+    except subprocess.TimeoutExpired:
+        print(f"# mpi n={n}: timed out after {timeout:.0f}s", file=sys.stderr)
+        return []
+    if done.returncode != 0:
+        print(f"# mpi n={n}: exit {done.returncode}: {done.stderr.strip()[-400:]}",
+              file=sys.stderr)
+        return []
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
 def _median_rows(runs: list[list[dict]]) -> dict[tuple[str, int], dict[str, Any]]:
     merged: dict[tuple[str, int], dict[str, Any]] = {}
     for rows in runs:
@@ -342,6 +382,17 @@ def _median_rows(runs: list[list[dict]]) -> dict[tuple[str, int], dict[str, Any]
     for entry in merged.values():
         entry["median_s"] = statistics.median(entry["times"]) if entry["times"] else None
     return merged
+
+
+def _mpi_columns(t_mpi: float | None, t_nd: float | None, size: int, factor: float,
+                 shown: bool) -> str:
+    """The ``mpi busbw`` and ``vs mpi`` (netdist's busbw over MPI's) columns."""
+    if not shown:
+        return ""
+    bw_mpi = size / t_mpi / 1e9 * factor if t_mpi and size else None
+    ratio = t_mpi / t_nd if t_mpi and t_nd else None
+    return (f"  {'-' if bw_mpi is None else f'{bw_mpi:.3f}':>10} "
+            f"{'-' if ratio is None else f'{ratio:.2f}x':>7}")
 
 
 def _fmt_time(seconds: float | None) -> str:
@@ -362,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child-timeout", type=float, default=900.0)
     parser.add_argument("--no-check", dest="check", action="store_false")
     parser.add_argument("--json", default=None, metavar="FILE")
+    parser.add_argument("--mpi", action="store_true",
+                        help="also time Open MPI's collectives, interleaved (mpicc, mpirun)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -388,14 +441,19 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"ops": ops, "sizes": sizes, "iters": args.iters, "warmup": args.warmup,
             "check": args.check}
     report: list[dict[str, Any]] = []
+    mpi_dir = tempfile.TemporaryDirectory() if args.mpi else None
+    mpi_program = _build_mpi(mpi_dir.name) if mpi_dir is not None else None
     for n in (int(x) for x in args.world_sizes.split(",")):
-        gloo_runs, nd_runs = [], []
-        for _ in range(args.repeats):  # interleave so both see the same background load
+        gloo_runs, nd_runs, mpi_runs = [], [], []
+        for _ in range(args.repeats):  # interleave so all see the same background load
             if have_torch:
                 gloo_runs.append(_run_backend("gloo", n, spec, args.child_timeout))
             nd_runs.append(_run_backend("netdist", n, spec, args.child_timeout))
+            if mpi_program is not None:
+                mpi_runs.append(_run_mpi(mpi_program, n, spec, args.child_timeout))
         gloo = _median_rows(gloo_runs)
         nd = _median_rows(nd_runs)
+        mpi = _median_rows(mpi_runs)
         # n=2: a ring's two links are one connection used both ways (acks ride on data)
         ring = ceiling2 if n == 2 else _raw_ring_ceiling(n)
         print(f"\n# world size {n}: median of {args.repeats} runs x {args.iters} iterations")
@@ -403,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({'the both-ways figure' if n == 2 else 'non-blocking sockets, select'}): "
               f"{ring:.2f} GB/s per link, the busbw of the data movement alone")
         print(f"# {'op':<15}{'size':>8} {'gloo time':>11} {'netdist time':>13} "
-              f"{'gloo busbw':>11} {'netdist busbw':>14} {'speedup':>8}  check")
+              f"{'gloo busbw':>11} {'netdist busbw':>14} {'speedup':>8}  check"
+              + (f"  {'mpi busbw':>10} {'vs mpi':>7}" if mpi_program else ""))
         for key in sorted(nd, key=lambda k: (ops.index(k[0]), k[1])):
             op, size = key
             t_nd = nd[key]["median_s"]
@@ -420,10 +479,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{_fmt_time(t_nd):>13} "
                   f"{'-' if bw_g is None else f'{bw_g:.3f}':>11} "
                   f"{'-' if bw_nd is None else f'{bw_nd:.3f}':>14} "
-                  f"{'-' if speedup is None else f'{speedup:.2f}x':>8}  {check}")
+                  f"{'-' if speedup is None else f'{speedup:.2f}x':>8}  {check}"
+                  + _mpi_columns(mpi.get(key, {}).get("median_s"), t_nd, size, factor,
+                                 bool(mpi_program)))
             entry = {"world_size": n, "op": op, "size": size, "gloo_s": t_g,
                      "netdist_s": t_nd, "gloo_busbw": bw_g, "netdist_busbw": bw_nd,
-                     "speedup": speedup, "check": check}
+                     "speedup": speedup, "check": check,
+                     "mpi_s": mpi.get(key, {}).get("median_s")}
             report.append(entry)
             entry["ring_ceiling_gbps"] = ring
             if op in SPEEDUP_TARGETS and bw_nd and size >= 16 * 1024 * 1024:
