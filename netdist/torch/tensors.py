@@ -11,6 +11,7 @@ complex as pairs of reals (torch's own frontends pass complex tensors to reducti
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import weakref
@@ -99,7 +100,9 @@ class ViewCache:
     reference to it, so the cache never keeps a tensor alive: an entry whose tensor has
     died is dropped, and a view is only handed out while its tensor is alive (the caller
     holds it for the whole operation). At most ``capacity`` entries, least recently used
-    first out.
+    first out. Torch calls the backend from more than one thread (the caller's, autograd's,
+    DDP's hooks): every change here is one atomic dict operation, and one that finds its
+    entry gone (evicted or dropped meanwhile) is simply skipped.
     """
 
     def __init__(self, capacity: int = 64) -> None:
@@ -120,9 +123,10 @@ class ViewCache:
             return None
         ref, signature, view = entry
         if ref() is tensor and signature == _signature(tensor):
-            self._entries.move_to_end(key)
+            with contextlib.suppress(KeyError):  # evicted by another thread meanwhile
+                self._entries.move_to_end(key)
             return view
-        del self._entries[key]
+        self._entries.pop(key, None)
         return None
 
     def store(self, tensor: torch.Tensor, array: np.ndarray) -> None:
@@ -136,11 +140,12 @@ class ViewCache:
         entries = self._entries
         entries[key] = (weakref.ref(tensor, functools.partial(self._drop, key)),
                         _signature(tensor), view)
-        entries.move_to_end(key)
-        if len(entries) > self.capacity:
-            entries.popitem(last=False)
+        with contextlib.suppress(KeyError):  # each step is atomic; another thread may
+            entries.move_to_end(key)         # evict or drop meanwhile, which is harmless
+            while len(entries) > self.capacity:
+                entries.popitem(last=False)
 
     def _drop(self, key: int, _: object = None) -> None:
         entry = self._entries.get(key)
         if entry is not None and entry[0]() is None:
-            del self._entries[key]
+            self._entries.pop(key, None)

@@ -23,6 +23,15 @@ def _cached(cache: ViewCache, tensor: torch.Tensor) -> np.ndarray:
     return view
 
 
+def _backend_view(cache: ViewCache, tensor: torch.Tensor) -> np.ndarray:
+    """What the backend does: the cached view, else a fresh one that is then stored."""
+    view = cache.lookup(tensor)
+    if view is None:
+        view = as_array(tensor, "test")
+        cache.store(tensor, view)
+    return view
+
+
 def test_a_hit_is_the_tensors_memory() -> None:
     cache = ViewCache()
     t = torch.arange(6, dtype=torch.float32)
@@ -93,3 +102,33 @@ def test_non_contiguous_and_empty_tensors_are_not_cached() -> None:
     cache.store(torch.ones(4, 4).t(), as_array(torch.ones(4, 4).t(), "test"))
     cache.store(torch.ones(0), as_array(torch.ones(0), "test"))
     assert len(cache) == 0
+
+
+def test_threads_sharing_a_cache_always_get_the_right_memory() -> None:
+    """Torch calls the backend from several threads; eviction and drops race with lookups
+    and must never hand out another tensor's view or raise."""
+    import threading
+
+    cache = ViewCache(capacity=3)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            tensors = [torch.full((16,), float(seed * 100 + i)) for i in range(6)]
+            for round_ in range(400):
+                index = (round_ * 7 + seed) % len(tensors)
+                if round_ % 50 == 49:  # let a tensor die: its entry must go with it
+                    tensors[index] = torch.full((16,), float(seed * 100 + index))
+                t = tensors[index]
+                view = _backend_view(cache, t)
+                assert view[0] == seed * 100 + index and view.ctypes.data == t.data_ptr()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert not errors, errors[0]
