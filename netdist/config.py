@@ -106,7 +106,9 @@ class AdmissionLimits:
     """
 
     max_unauthenticated: int = 64
-    """Connections that may be mid-handshake at once (listener and coordinator together)."""
+    """Connections that may be mid-handshake at once (listener and coordinator together);
+    a job larger than this admits its world size, so its own ranks, all registering or
+    dialling at start-up, are never turned away."""
     handshake_timeout: float = 10.0
     """Seconds a connection gets to authenticate (never more than the join timeout)."""
     handshake_header_bytes: int = 4096

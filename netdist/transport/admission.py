@@ -7,9 +7,10 @@ and took the descriptors its next checkpoint save needed. ``AdmissionControl`` i
 one mechanism both listeners use (``TcpTransport`` shares its instance with the
 coordinator it hosts, so the bound is per process):
 
-* at most ``max_unauthenticated`` connections are mid-handshake at once; a new one beyond
-  that is closed at once, before anything is allocated for it -- established peers are
-  never evicted to make room;
+* at most ``max_unauthenticated`` connections (or the job's world size, if larger: its
+  own ranks all register with the coordinator, and with ``connect="eager"`` all dial rank
+  0, at once) are mid-handshake at once; a new one beyond that is closed at once, before
+  anything is allocated for it -- established peers are never evicted to make room;
 * none is admitted while the process is within ``fd_reserve`` descriptors of its soft
   ``RLIMIT_NOFILE``, so the job's own files and peers always get one;
 * an admitted connection reads its handshake under small limits (``FrameConnection``)
@@ -121,7 +122,7 @@ class AdmissionStats:
     pending: int
     """Admitted connections that have neither authenticated nor closed yet."""
     peak_pending: int
-    """The largest ``pending`` ever reached (never above ``max_unauthenticated``)."""
+    """The largest ``pending`` ever reached (never above the capacity)."""
     admitted: int
     refused_capacity: int
     refused_descriptors: int
@@ -199,14 +200,22 @@ class AdmissionControl:
     loop that accepts the connections.
     """
 
-    def __init__(self, limits: AdmissionLimits, *, owner: str,
+    def __init__(self, limits: AdmissionLimits, *, owner: str, expected: int = 0,
                  clock: Callable[[], float] = time.monotonic,
                  fd_counter: Callable[[], int | None] = count_open_fds,
                  fd_limit: Callable[[], int | None] = soft_fd_limit) -> None:
         if not isinstance(limits, AdmissionLimits):
             raise TypeError(f"limits must be an AdmissionLimits, got {type(limits).__name__}")
+        if expected < 0:
+            raise ValueError(f"expected must be >= 0, got {expected}")
         self.limits = limits
         self.owner = owner
+        self.capacity = max(limits.max_unauthenticated, expected)
+        """Connections admitted mid-handshake at once: ``max_unauthenticated``, or the
+        ``expected`` number the job's own ranks open at once (its world size: every rank
+        registering with the coordinator, or dialling one rank at start-up) if that is
+        more. A job never refuses its own ranks for being many, and the bound on
+        strangers stays fixed for a given job."""
         self.log = RateLimitedLog(logger, limits.refusal_log_interval, clock)
         """Where refusals and failed handshakes of strangers are reported."""
         self._clock = clock
@@ -258,7 +267,7 @@ class AdmissionControl:
         return factory
 
     def _refusal(self) -> Refusal | None:
-        if self._pending >= self.limits.max_unauthenticated:
+        if self._pending >= self.capacity:
             return Refusal.CAPACITY
         if self._descriptors_short():
             return Refusal.DESCRIPTORS
@@ -312,8 +321,8 @@ class AdmissionControl:
         where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?"
         limits = self.limits
         if refusal is Refusal.CAPACITY:
-            why = (f"{limits.max_unauthenticated} connections are already authenticating "
-                   "(AdmissionLimits.max_unauthenticated)")
+            why = (f"{self.capacity} connections are already authenticating "
+                   "(AdmissionLimits.max_unauthenticated, or the world size if larger)")
         else:
             why = (f"fewer than {limits.fd_reserve} file descriptors are left below the "
                    f"limit of {self._fd_limit()} (AdmissionLimits.fd_reserve)")

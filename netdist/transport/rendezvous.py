@@ -101,7 +101,8 @@ class Coordinator:
     def __init__(self, config: DistributedConfig,
                  admission: AdmissionControl | None = None) -> None:
         self.config = config
-        self.admission = (AdmissionControl(config.admission, owner="the coordinator")
+        self.admission = (AdmissionControl(config.admission, owner="the coordinator",
+                                           expected=config.world_size)
                           if admission is None else admission)
         """Bounds connections that have not authenticated (shared with rank 0's listener
         when ``TcpTransport`` starts the coordinator)."""

@@ -130,7 +130,8 @@ class TcpTransport(Transport):
         self._limits = config.limits
         self._loop = asyncio.get_running_loop()
         self._identity = rendezvous_identity(config)
-        self.admission = AdmissionControl(config.admission, owner=f"rank {config.rank}")
+        self.admission = AdmissionControl(config.admission, owner=f"rank {config.rank}",
+                                          expected=config.world_size)
         """Bounds connections that have not authenticated (this rank's listener and, on
         rank 0, the coordinator); its ``stats()`` count pending and refused strangers."""
         self.spin = SpinPolicy()

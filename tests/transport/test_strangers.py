@@ -235,6 +235,24 @@ async def test_the_admission_slot_is_released_once_on_authentication_or_close():
     assert first is made[0] and second is made[1]
 
 
+async def test_a_large_job_admits_its_own_world_size_at_once():
+    """128 ranks register (or, eager, dial rank 0) at once: none is turned away for it,
+    and the bound is still a bound."""
+    admission = AdmissionControl(AdmissionLimits(max_unauthenticated=4, fd_reserve=0),
+                                 owner="test", expected=6)
+    assert admission.capacity == 6
+    factory = admission.protocol_factory(lambda release: FrameConnection(
+        WireLimits(), label="test", release=release))
+    admitted = [factory() for _ in range(6)]
+    assert all(isinstance(p, FrameConnection) for p in admitted) and admission.pending == 6
+    assert not isinstance(factory(), FrameConnection)  # the seventh is refused
+    assert admission.stats().refused_capacity == 1
+    small = AdmissionControl(AdmissionLimits(max_unauthenticated=4), owner="t", expected=2)
+    assert small.capacity == 4  # a small job keeps the configured bound
+    with pytest.raises(ValueError, match="expected"):
+        AdmissionControl(AdmissionLimits(), owner="t", expected=-1)
+
+
 # ---------------------------------------------------------------------------------------
 # the descriptor reserve and the rate-limited log, without sockets
 
