@@ -675,9 +675,10 @@ async def _recv_any(group: Group, peers: list[int], tag: int, out: np.ndarray,
                     timeout: float) -> int:
     """Receive the next message on ``tag`` from whichever member sends first.
 
-    Polls each member in turn with a short receive that owns no buffer: a posted receive
-    that expires before its frame arrives is withdrawn without losing anything (the
-    transport's contract), so only the message actually taken is consumed.
+    Polls each member in turn with a short receive that owns no buffer: a receive that
+    expires, even while its frame is landing, loses nothing (the mailbox hands the
+    message to the next receive on the tag), so only the message actually taken is
+    consumed.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout

@@ -9,11 +9,15 @@ passes ``out=``, handed over as is if not).
 
 Order per tag is the order frames were claimed, even when a receive is posted while an
 earlier frame is still landing: unexpected messages are queued as futures at claim time.
+A receive that gives up (timeout, cancellation) after its frame was matched loses
+nothing: the message goes to the next receive on the tag (``Landing``), so polling with
+short timeouts, as a receive from any source does, never drops a message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections import deque
 from collections.abc import Callable
@@ -57,6 +61,10 @@ def _naming_tag(error: Exception, tag: int, waited: bool) -> Exception:
     return error.with_message(f"{error} {where}")
 
 
+_SETTLED = np.empty(0, np.uint8)
+"""What a settled ``Landing`` points at instead of the payload it delivered."""
+
+
 @dataclass(slots=True)
 class _PostedRecv:
     future: asyncio.Future[np.ndarray]
@@ -64,26 +72,41 @@ class _PostedRecv:
 
 
 class Landing:
-    """Where one incoming frame's payload goes; the reader fills ``buffer`` then completes."""
+    """Where one incoming frame's payload goes; the reader fills ``buffer`` then completes.
 
-    __slots__ = ("buffer", "_result", "_future", "_error")
+    A frame matched to a posted ``recv`` keeps its message if that receive gives up
+    (timeout, cancellation) while the payload is still arriving: a ``recv`` posted on the
+    same tag meanwhile adopts it (``redirect``), and otherwise ``complete()`` hands it to
+    ``orphan``, which queues it for the next one. Nothing a peer sent is dropped.
+    """
+
+    __slots__ = ("buffer", "_result", "_future", "_error", "_orphan", "_owned", "_settled")
 
     def __init__(self, buffer: np.ndarray, result: np.ndarray,
-                 future: asyncio.Future[np.ndarray], error: Exception | None = None) -> None:
+                 future: asyncio.Future[np.ndarray], error: Exception | None = None, *,
+                 orphan: Callable[[np.ndarray], None] | None = None,
+                 owned: bool = True) -> None:
         self.buffer = buffer
         """Flat uint8 array of exactly the payload size."""
         self._result = result
         self._future = future
         self._error = error
+        self._orphan = orphan
+        self._owned = owned
+        """The buffer is the landing's own (not a receiver's ``out=``)."""
+        self._settled = False
 
     def complete(self) -> None:
         """The payload is fully written: hand the message to its receiver (or the queue)."""
-        if self._future.done():  # receiver timed out or was cancelled meanwhile
+        result = self._settle()
+        if self._future.done():  # the receiver gave up meanwhile: keep the message
+            if self._future.cancelled() and self._orphan is not None and self._error is None:
+                self._orphan(result if self._owned else result.copy())
             return
         if self._error is not None:
             self._future.set_exception(self._error)
         else:
-            self._future.set_result(self._result)
+            self._future.set_result(result)
 
     def fail(self, error: Exception) -> None:
         """The payload will never be complete (the connection died): wake its receiver.
@@ -91,13 +114,33 @@ class Landing:
         ``PeerMailbox.fail`` cannot reach a frame that is already landing into a posted
         ``recv``, since claiming took it off the posted queue; the reader fails it here.
         """
+        self._settle()
         if not self._future.done():
             self._future.set_exception(error)
 
+    def _settle(self) -> np.ndarray:
+        """Mark the landing over and let go of its memory (the mailbox may still hold
+        this object as the last landing); the message, for delivery."""
+        result = self._result
+        self._settled = True
+        self._result = self.buffer = _SETTLED
+        return result
+
+    @property
+    def adoptable(self) -> bool:
+        """Still landing into its own buffer, and its receiver gave up: a new ``recv`` on
+        the tag may take the message over."""
+        return not self._settled and self._owned and self._future.cancelled()
+
+    def redirect(self, future: asyncio.Future[np.ndarray]) -> None:
+        """Deliver the message to ``future`` (a receive that adopted it) instead."""
+        self._future = future
+
     @property
     def withdrawn(self) -> bool:
-        """True if the receiver gave up (timeout, cancellation) before ``complete()``."""
-        return self._future.cancelled()
+        """True if the receiver gave up (timeout, cancellation) before ``complete()``
+        while the payload lands in that receiver's own ``out=`` (memory it got back)."""
+        return not self._owned and self._future.cancelled()
 
 
 class PeerMailbox:
@@ -111,6 +154,9 @@ class PeerMailbox:
         self._posted: dict[int, deque[_PostedRecv]] = {}
         self._unexpected: dict[int, deque[asyncio.Future[np.ndarray]]] = {}
         self._failure: Callable[[], Exception] | None = None
+        self._landing: tuple[int, Landing] | None = None
+        """The frame last matched to a posted receive, by tag (frames from one peer land
+        one at a time)."""
 
     @property
     def failed(self) -> bool:
@@ -142,15 +188,20 @@ class PeerMailbox:
                 continue
             if not posted:
                 del self._posted[tag]
+            orphan = functools.partial(self._orphaned, tag)
             if entry.out is None:
                 result = np.empty(shape, dtype)
-                return Landing(byte_view(result), result, entry.future)
-            if entry.out.nbytes != nbytes:
+                landing = Landing(byte_view(result), result, entry.future, orphan=orphan)
+            elif entry.out.nbytes != nbytes:
                 error = LocalProtocolError(
                     f"recv from rank {self.peer} (tag {tag}): out= holds {entry.out.nbytes} "
                     f"bytes but the message carries {nbytes} ({dtype.name}{list(shape)})")
                 return Landing(np.empty(nbytes, np.uint8), entry.out, entry.future, error)
-            return Landing(byte_view(entry.out), entry.out, entry.future)
+            else:
+                landing = Landing(byte_view(entry.out), entry.out, entry.future,
+                                  orphan=orphan, owned=False)
+            self._landing = (tag, landing)
+            return landing
         if posted is not None:
             del self._posted[tag]
         future = self._new_future()
@@ -177,6 +228,21 @@ class PeerMailbox:
                 if not future.done():
                     future.set_exception(failure())
 
+    def _orphaned(self, tag: int, message: np.ndarray) -> None:
+        """A message whose receive gave up while it landed: first in line on ``tag`` (it
+        was matched before any frame queued there since)."""
+        future = self._new_future()
+        future.set_result(message)
+        self._unexpected.setdefault(tag, deque()).appendleft(future)
+
+    def _adopt(self, tag: int) -> None:
+        """Queue a message still landing on ``tag`` whose receive gave up, for this one."""
+        landing = self._landing
+        if landing is not None and landing[0] == tag and landing[1].adoptable:
+            future = self._new_future()
+            landing[1].redirect(future)
+            self._unexpected.setdefault(tag, deque()).appendleft(future)
+
     # -- receiver side -----------------------------------------------------------------
 
     async def recv(self, tag: int, out: np.ndarray | None, timeout: float) -> np.ndarray:
@@ -185,6 +251,7 @@ class PeerMailbox:
             check_out_buffer(out)
         loop = asyncio.get_running_loop()
         started = loop.time()
+        self._adopt(tag)
         queue = self._unexpected.get(tag)
         if queue:
             future = queue.popleft()
@@ -193,8 +260,9 @@ class PeerMailbox:
             try:
                 message = await self._wait(future, tag, timeout, started, withdraw=None)
             except BaseException:
-                if not future.done():  # still landing: keep its place for the next recv
-                    self._unexpected.setdefault(tag, deque()).appendleft(future)
+                # not taken (still landing, or landed as this recv was cancelled): it keeps
+                # its place for the next recv
+                self._unexpected.setdefault(tag, deque()).appendleft(future)
                 raise
             if out is None:
                 return message
@@ -223,6 +291,8 @@ class PeerMailbox:
                 async with asyncio.timeout(timeout):
                     return await asyncio.shield(future)
             except TimeoutError:
+                if future.done():  # it landed as the deadline passed: take it
+                    return future.result()
                 raise self._timeout_error(tag, started) from None
         # A posted receive owns its future, so a plain timer that cancels it is enough
         # (asyncio.timeout costs several microseconds per call on the latency path).
@@ -239,6 +309,10 @@ class PeerMailbox:
         try:
             return await future
         except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                # the message landed just as this recv was cancelled: the next one gets it
+                self._unexpected.setdefault(tag, deque()).appendleft(future)
+                raise
             task = asyncio.current_task()
             if expired and (task is None or task.cancelling() == 0):
                 raise self._timeout_error(tag, started) from None
