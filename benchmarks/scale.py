@@ -39,6 +39,11 @@ completed on every rank of the 1 + 127 job.
     python benchmarks/scale.py                         # lazy 64 and 128, eager 64
     python benchmarks/scale.py --sizes 64,128 --eager 64,128 --repeats 3 --json scale.json
     python benchmarks/scale.py --sizes 4 --eager 4 --ps-rounds 2    # a quick check
+    python benchmarks/scale.py --raw --repeats 3 --eager 64,128     # with the raw floor
+
+``--raw`` adds, interleaved, the same join done with plain sockets by the same number of
+processes (no handshake, no msgpack, no event loop): how much of ``connect`` is the
+machine waking N processes, whatever library they run.
 """
 
 from __future__ import annotations
@@ -145,6 +150,60 @@ async def _rank(args: argparse.Namespace) -> None:
         json.dump(record, f)
 
 
+def _raw_rank(args: argparse.Namespace) -> None:
+    """The same join without netdist: plain sockets, no handshake, no msgpack.
+
+    Rank 0 listens on the launcher's coordinator port; every other rank connects (until
+    it accepts) and sends its rank; once all have, rank 0 sends each the table (about
+    as many bytes as netdist's) and every rank records the moment it has it. This is the
+    floor that waking N processes on this machine's cores puts under ``connect``.
+    """
+    import socket
+
+    rank, n = int(os.environ["NETDIST_RANK"]), int(os.environ["NETDIST_WORLD_SIZE"])
+    host, port = os.environ["NETDIST_COORDINATOR"].rsplit(":", 1)
+    record: dict[str, Any] = {"rank": rank, "join_start": time.time()}
+    table = b"x" * (60 * n)
+    deadline = time.monotonic() + args.join_timeout
+    if rank == 0:
+        with socket.create_server((host, int(port)), backlog=n) as server:
+            peers = [server.accept()[0] for _ in range(n - 1)]
+            for peer in peers:
+                peer.recv(8)
+            for peer in peers:
+                peer.sendall(len(table).to_bytes(4, "little") + table)
+            record["joined"] = time.time()
+            for peer in peers:
+                peer.close()
+    else:
+        while True:
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=5.0)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)  # the coordinator's port is not listening yet
+        with sock:
+            sock.settimeout(args.join_timeout)
+            sock.sendall(rank.to_bytes(8, "little"))
+            size = int.from_bytes(_read_exactly(sock, 4), "little")
+            _read_exactly(sock, size)
+            record["joined"] = time.time()
+    with open(os.path.join(args.outdir, f"rank_{rank:05d}.json"), "w", encoding="utf-8") as f:
+        json.dump(record, f)
+
+
+def _read_exactly(sock: Any, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the coordinator closed the connection")
+        data += chunk
+    return data
+
+
 # -- driver -----------------------------------------------------------------------------
 
 
@@ -153,7 +212,8 @@ def _job(args: argparse.Namespace, mode: str, n: int) -> dict[str, Any]:
     from netdist.launcher import launch
 
     with tempfile.TemporaryDirectory() as outdir:
-        cmd = [sys.executable, HERE, "--role", "rank", "--outdir", outdir,
+        cmd = [sys.executable, HERE, "--role", "raw" if mode == "raw" else "rank",
+               "--outdir", outdir, "--join-timeout", repr(args.join_timeout),
                "--ring-kib", repr(args.ring_kib), "--ps-kib", repr(args.ps_kib),
                "--ps-rounds", str(args.ps_rounds), "--op-timeout", repr(args.op_timeout)]
         env = {"NETDIST_CONNECT": mode, "NETDIST_SHM": "0",
@@ -173,6 +233,11 @@ def _job(args: argparse.Namespace, mode: str, n: int) -> dict[str, Any]:
     if status != 0 or len(records) != n:
         return result
     last_start = max(r["join_start"] for r in records)
+    if mode == "raw":
+        result.update(connect_s=max(r["joined"] for r in records) - last_start,
+                      window_s=max(r["joined"] for r in records)
+                      - min(r["join_start"] for r in records))
+        return result
     result.update(
         connect_s=max(r["joined"] for r in records) - last_start,
         ring_s=max(r["ring_done"] for r in records) - max(r["ring_start"] for r in records),
@@ -196,6 +261,11 @@ def _summarise(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [j for j in jobs if "connect_s" in j]
     out: dict[str, Any] = {"runs": len(jobs), "failed": len(jobs) - len(ok)}
     if not ok:
+        return out
+    if ok[0]["mode"] == "raw":
+        out.update(connect_s=_median([j["connect_s"] for j in ok]),
+                   window_s=_median([j["window_s"] for j in ok]),
+                   per_run_connect_s=[round(j["connect_s"], 3) for j in ok])
         return out
     out.update(connect_s=_median([j["connect_s"] for j in ok]),
                ring_s=_median([j["ring_s"] for j in ok]),
@@ -223,6 +293,9 @@ def main() -> int:
     parser.add_argument("--eager", default="64",
                         help="world sizes also run with connect=eager, the full mesh at "
                              "start-up, as a baseline ('' for none; default 64)")
+    parser.add_argument("--raw", action="store_true",
+                        help="also run the lazy sizes' join with plain sockets (no netdist) "
+                             "as the machine's floor, interleaved")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every configuration this many times, interleaved")
     parser.add_argument("--ring-kib", type=float, default=256.0,
@@ -246,12 +319,16 @@ def main() -> int:
 
         run(_rank(args))
         return 0
+    if args.role == "raw":
+        _raw_rank(args)
+        return 0
 
     if args.ps_rounds < 1:
         parser.error("--ps-rounds must be >= 1")
     sizes = [int(x) for x in args.sizes.split(",") if x]
     eager = [int(x) for x in args.eager.split(",") if x]
-    plan = [("lazy", n) for n in sizes] + [("eager", n) for n in eager]
+    plan = ([("lazy", n) for n in sizes] + [("eager", n) for n in eager]
+            + [("raw", n) for n in sizes if args.raw])
     print(f"netdist launch -n N on {os.cpu_count()} CPUs, 127.0.0.1; {args.repeats} "
           f"repeat(s), interleaved: {', '.join(f'{m} {n}' for m, n in plan)}; ring and "
           f"Group all-reduce {args.ring_kib:g} KiB float64, PS {args.ps_kib:g} KiB float32 x "
@@ -261,7 +338,8 @@ def main() -> int:
         for mode, n in plan:
             job = _job(args, mode, n)
             jobs[(mode, n)].append(job)
-            shown = (f"connect {job['connect_s']:.2f} s, ring {job['ring_s']:.2f} s"
+            shown = (f"connect {job['connect_s']:.2f} s"
+                     + (f", ring {job['ring_s']:.2f} s" if "ring_s" in job else "")
                      if "connect_s" in job else f"FAILED (exit {job['status']}, "
                      f"{job['ranks_reported']} of {n} ranks reported)")
             print(f"  run {repeat + 1}: {mode:5} n={n:<4} job {job['job_s']:6.1f} s, {shown}",
@@ -274,6 +352,10 @@ def main() -> int:
         r = results[key]
         if "connect_s" not in r:
             print(f"{mode:6} {n:5}  all {r['runs']} runs failed")
+            continue
+        if mode == "raw":
+            print(f"{mode:6} {n:5}  {r['connect_s']:9.2f}  {'-':>7}  {r['window_s']:8.2f}"
+                  "      -   plain sockets: the same join without netdist")
             continue
         peers = "  ".join(f"{r[f'peers_{p}']['max']:>3}/{r[f'peers_{p}']['median']:<5g}"
                           for p in ("joined", "ring", "group", "ps"))
@@ -296,9 +378,14 @@ def main() -> int:
     for small, large in pairs:
         if "connect_s" in lazy[small] and "connect_s" in lazy[large]:
             ratio = lazy[large]["connect_s"] / lazy[small]["connect_s"]
+            raw = (results.get(f"raw {small}", {}), results.get(f"raw {large}", {}))
+            floor = (f"; plain sockets on this machine, same runs: "
+                     f"{raw[1]['connect_s']:.3f} / {raw[0]['connect_s']:.3f} s = "
+                     f"{raw[1]['connect_s'] / raw[0]['connect_s']:.2f}x"
+                     if all("connect_s" in r for r in raw) else "")
             print(f"{'PASS' if ratio <= 2.0 else 'MISS'}  connect time, lazy: n={large} / "
-                  f"n={small} = {lazy[large]['connect_s']:.2f} / {lazy[small]['connect_s']:.2f}"
-                  f" s = {ratio:.2f}x (target <= 2x)")
+                  f"n={small} = {lazy[large]['connect_s']:.3f} / "
+                  f"{lazy[small]['connect_s']:.3f} s = {ratio:.2f}x (target <= 2x){floor}")
     for n in sizes:
         r = lazy[n]
         if "peers_ring" in r:
