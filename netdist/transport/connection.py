@@ -685,10 +685,10 @@ class FrameConnection(asyncio.BufferedProtocol):
         landing, self._landing = self._landing, None
         self._payload_left = 0
         self._deferred = None
+        if self.mailbox is not None:  # first: it notes whether a frame was still landing
+            self.mailbox.fail(error)
         if landing is not None:
             landing.fail(error())
-        if self.mailbox is not None:
-            self.mailbox.fail(error)
         self._wake_control_waiter()
         self._wake_drain_waiters()
         transport = self.transport

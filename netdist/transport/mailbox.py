@@ -127,6 +127,11 @@ class Landing:
         return result
 
     @property
+    def settled(self) -> bool:
+        """The payload completed or failed."""
+        return self._settled
+
+    @property
     def adoptable(self) -> bool:
         """Still landing into its own buffer, and its receiver gave up: a new ``recv`` on
         the tag may take the message over."""
@@ -157,6 +162,10 @@ class PeerMailbox:
         self._landing: tuple[int, Landing] | None = None
         """The frame last matched to a posted receive, by tag (frames from one peer land
         one at a time)."""
+        self.interrupted = False
+        """This rank was waiting on the peer when it was lost (a receive posted, or a
+        frame landing into one), or asked for a message after: the loss cut this rank's
+        work short, even if the peer left politely (BYE)."""
 
     @property
     def failed(self) -> bool:
@@ -218,6 +227,10 @@ class PeerMailbox:
         """
         if self._failure is None:
             self._failure = failure
+        landing = self._landing
+        if (landing is not None and not landing[1].settled) or any(
+                not entry.future.done() for queue in self._posted.values() for entry in queue):
+            self.interrupted = True
         for tag, queue in self._posted.items():
             for entry in queue:
                 if not entry.future.done():
@@ -274,6 +287,7 @@ class PeerMailbox:
             byte_view(out)[...] = byte_view(message)
             return out
         if self._failure is not None:
+            self.interrupted = True
             raise _naming_tag(self._failure(), tag, waited=False)
         entry = _PostedRecv(self._new_future(), out)
         self._posted.setdefault(tag, deque()).append(entry)

@@ -642,8 +642,9 @@ class TcpTransport(Transport):
         Idempotent. Pending operations fail with ``TransportClosedError``. If the caller
         is cancelled, closing still completes (the sockets are closed synchronously; the
         bounded wait for them runs in a task the next ``aclose`` awaits). If a peer was
-        lost before (not one that left with BYE), peers get an ERROR frame naming the
-        rank that went away first instead of BYE, as with ``abort``.
+        lost before (not one that left with BYE while this rank waited on nothing from
+        it), peers get an ERROR frame naming the rank that went away first instead of
+        BYE, as with ``abort``.
         """
         await self._close(None)
 
@@ -691,9 +692,10 @@ class TcpTransport(Transport):
                 return recorded[0]  # knows who saw it first hand
             seen_by = self.rank if lost.via is None else lost.rank
             return LossOrigin(lost.origin_rank, one_line(lost.origin_reason), seen_by)
-        for origin, explains in self._lost.values():
-            if explains:
-                return origin
+        for peer, (origin, explains) in self._lost.items():
+            box = self._mailboxes[peer]
+            if explains or (box is not None and box.interrupted):
+                return origin  # a BYE counts once it cut short something we waited for
         if error is None:
             return None
         return LossOrigin(self.rank, describe_failure(self.rank, error), self.rank)

@@ -206,6 +206,36 @@ async def test_closing_cleanly_after_a_crash_still_names_the_crashed_rank(tcp_gr
                             "its transport while this rank waited for tag 7")
 
 
+async def test_closing_after_a_goodbye_that_cut_a_wait_short_names_the_leaver(tcp_group):
+    """Rank 2 leaves politely while rank 0 waits on it; rank 0 then closes (no exception,
+    as a failed process does on its way out): rank 1 learns that rank 2 went first."""
+    a, b, c = await tcp_group(3)
+    at_a = await waiting(a, 2)
+    at_b = await waiting(b, 0)
+    await c.aclose()
+    assert (await at_a).origin_rank == 2
+    await a.aclose()
+    relayed = await at_b
+    assert (relayed.rank, relayed.origin_rank, relayed.via) == (0, 2, 0)
+    assert str(relayed).startswith("rank 2 closed its transport (left the job) — seen by "
+                                   "rank 0, which then closed its transport")
+
+
+async def test_a_goodbye_nobody_waited_on_is_nobodys_fault(tcp_group):
+    """Rank 2 finishes and leaves while rank 0 waits on nothing from it: rank 0's own
+    clean close later is a plain goodbye, not a relay of rank 2's departure."""
+    a, b, c = await tcp_group(3)
+    await c.aclose()
+    await a._connections[2].wait_closed(WAIT)  # rank 2's goodbye has arrived at rank 0
+    assert isinstance(a.lost_peer_error(2), PeerLostError)
+    at_b = await waiting(b, 0)
+    await a.aclose()
+    lost = await at_b
+    assert (lost.rank, lost.origin_rank, lost.via) == (0, 0, None)
+    assert str(lost) == ("rank 0 closed its transport (left the job) "
+                         "while this rank waited for tag 7")
+
+
 async def test_a_clean_close_with_nothing_lost_is_a_plain_goodbye(tcp_group):
     a, b = await tcp_group(2)
     at_b = await waiting(b, 0)
