@@ -15,12 +15,15 @@ and every byte costs a copy into and out of the kernel. The same script run with
 no reductions) and prints the kernel time per GB moved for both, so the transport's own
 kernel overhead can be compared with the socket floor.
 
-Each run measures both data paths, one after the other: ``shm`` (ranks on one host move
-payloads through shared memory; TCP only signals) and ``tcp`` (``NETDIST_SHM=0``), and
-prints the kernel's share of each rank's CPU for both.
+Each run measures the data paths named by ``--paths``, one after the other: ``shm`` (ranks
+on one host move payloads through shared memory, the all-reduce reading the peers' arrays
+directly where the kernel allows; TCP only signals), ``staged`` (shared memory copied in
+and out of the segment's slots, ``NETDIST_SHM_COPY=staged``) and ``tcp``
+(``NETDIST_SHM=0``), and prints the kernel's share of each rank's CPU for each.
 
     python benchmarks/cpu_budget.py --nprocs 4 --size 64M --iters 8
     python benchmarks/cpu_budget.py --nprocs 2 --size 64M --iters 8 --raw
+    python benchmarks/cpu_budget.py --nprocs 2 --size 25M --paths shm,staged,shm,staged
 
 Every child is bounded by ``--child-timeout``; loopback only.
 """
@@ -66,6 +69,7 @@ def _worker(spec: dict) -> None:
             expected = float(n)
             row = {"rank": transport.rank, "wall_s": wall,
                    "mode": group.local_mode.value if group.local_mode else "none",
+                   "copy": group.local_copy.value if group.local_copy else "none",
                    "user_s": (after.ru_utime - before.ru_utime) / spec["iters"],
                    "sys_s": (after.ru_stime - before.ru_stime) / spec["iters"],
                    "correct": bool(data[0] == expected and data[-1] == expected)}
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--raw", action="store_true",
                         help="also measure a raw socket ring moving the same bytes")
     parser.add_argument("--paths", default="shm,tcp",
-                        help="data paths to measure, in order: shm (default) and tcp")
+                        help="data paths to measure, in order: shm, staged, tcp")
     parser.add_argument("--child-timeout", type=float, default=600.0)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -102,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     size = parse_size(args.size)
     n, cores = args.nprocs, available_cpus()
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    if set(paths) - {"shm", "tcp"}:
-        parser.error("--paths takes shm and/or tcp")
+    if not paths or set(paths) - set(_PATH_ENV):
+        parser.error(f"--paths takes {', '.join(_PATH_ENV)}")
     for path in paths:
         with tempfile.TemporaryDirectory() as tmp:
             spec = {"size": size, "iters": args.iters, "out": os.path.join(tmp, "rows.json")}
@@ -112,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(spec, fh)
             code = launch([sys.executable, HERE, "--worker", spec_path], n,
                           timeout=args.child_timeout,
-                          env={"PYTHONPATH": REPO,
-                               "NETDIST_SHM": "1" if path == "shm" else "0"})
+                          env={"PYTHONPATH": REPO, **_PATH_ENV[path]})
             if code != 0 or not os.path.exists(spec["out"]):
                 print(f"cpu_budget: workers failed (exit {code})", file=sys.stderr)
                 return 1
@@ -131,10 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+_PATH_ENV = {"shm": {"NETDIST_SHM": "1", "NETDIST_SHM_COPY": "single"},
+             "staged": {"NETDIST_SHM": "1", "NETDIST_SHM_COPY": "staged"},
+             "tcp": {"NETDIST_SHM": "0"}}
+"""Data path name -> the environment its ranks run with."""
+
+
 def _report(rows: list[dict], path: str, size: int, n: int, cores: int, iters: int) -> bool:
     moved_gb = 2 * 2 * (n - 1) / n * size / 1e9  # sent + received per rank per op
     print(f"all_reduce {size / 2**20:g} MiB float32, {n} ranks on {cores} CPUs, "
-          f"{iters} ops (per op), data path {path} (group mode {rows[0]['mode']}):")
+          f"{iters} ops (per op), data path {path} (group mode {rows[0]['mode']}, "
+          f"copy {rows[0].get('copy', 'none')}):")
     print(f"  {'rank':>4} {'wall ms':>9} {'user ms':>9} {'sys ms':>9} {'CPU share':>10} "
           f"{'kernel share':>13} {'sys ms/GB moved':>16}")
     for row in rows:

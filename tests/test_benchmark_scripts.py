@@ -33,15 +33,16 @@ def test_benchmark_parses_its_options(script: Path) -> None:
 
 def test_cpu_budget_runs_and_checks_its_result() -> None:
     done = _run([str(REPO / "benchmarks" / "cpu_budget.py"), "--nprocs", "2",
-                 "--size", "2M", "--iters", "2"], timeout=90)
+                 "--size", "2M", "--iters", "2", "--paths", "shm,staged,tcp"], timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "all_reduce 2 MiB float32, 2 ranks" in done.stdout
-    assert "data path shm (group mode single-host)" in done.stdout
-    assert "data path tcp (group mode tcp)" in done.stdout
-    assert done.stdout.count("measured busbw") == 2
+    assert "data path shm (group mode single-host, copy single)" in done.stdout
+    assert "data path staged (group mode single-host, copy staged)" in done.stdout
+    assert "data path tcp (group mode tcp, copy none)" in done.stdout
+    assert done.stdout.count("measured busbw") == 3
     lines = [line.split() for line in done.stdout.splitlines()]
     ranks = [int(parts[0]) for parts in lines if len(parts) == 7 and parts[0].isdigit()]
-    assert ranks == [0, 1, 0, 1]
+    assert ranks == [0, 1, 0, 1, 0, 1]
 
 
 def test_torch_ddp_quick_runs_both_backends(tmp_path: Path) -> None:

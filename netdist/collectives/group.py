@@ -131,7 +131,7 @@ from netdist.errors import (
 )
 from netdist.sharding import chunk_bounds
 from netdist.transport.base import Transport
-from netdist.transport.shm import shared_memory_enabled
+from netdist.transport.shm import ShmCopy, shared_memory_copy, shared_memory_enabled
 from netdist.tensors import as_array, as_arrays, is_tensor, numpy_result, stage_out, to_tensor
 from netdist.types import (
     CARRIED_DTYPES,
@@ -286,7 +286,8 @@ class Group:
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                  pipeline_depth: int = DEFAULT_DEPTH,
                  shared_memory: bool | None = None,
-                 shm_slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
+                 shm_slot_bytes: int = DEFAULT_SLOT_BYTES,
+                 shm_copy: ShmCopy | str | None = None) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"Group needs a Transport, got {type(transport).__name__}")
         if not isinstance(small_message_bytes, int) or small_message_bytes < 0:
@@ -302,11 +303,12 @@ class Group:
                     make_group_id("root", _next_root_group(transport)),
                     float(transport.timeout) if timeout is None else timeout,
                     small_message_bytes, segment_bytes, pipeline_depth,
-                    shared_memory_enabled(shared_memory), -(-shm_slot_bytes // 64) * 64)
+                    shared_memory_enabled(shared_memory), -(-shm_slot_bytes // 64) * 64,
+                    shared_memory_copy(shm_copy))
 
     def _setup(self, transport: Transport, ranks: tuple[int, ...], gid: int, timeout: float,
                small_message_bytes: int, segment_bytes: int, pipeline_depth: int,
-               shared_memory: bool, shm_slot_bytes: int) -> None:
+               shared_memory: bool, shm_slot_bytes: int, shm_copy: ShmCopy) -> None:
         self._transport = transport
         self._ranks = ranks
         self._rank = ranks.index(transport.rank) if transport.rank in ranks else -1
@@ -321,7 +323,9 @@ class Group:
         """Scratch segments the in-place ring all-reduce rotates through."""
         self.shared_memory = shared_memory
         """Whether this rank offers shared memory to ranks on its host (all must)."""
-        self._host_path = HostPath(shared_memory, shm_slot_bytes)
+        self.shm_copy = shm_copy
+        """How this rank offers to move an all-reduce on one host (all must agree)."""
+        self._host_path = HostPath(shared_memory, shm_slot_bytes, shm_copy)
         self._seq = 0
         self._plans: dict[tuple[Any, ...], Any] = {}
         self._scratch = ScratchPool()
@@ -421,7 +425,7 @@ class Group:
         child._setup(self._transport, tuple(self._ranks[r] for r in members), gid,
                      self._timeout,
                      self.small_message_bytes, self.segment_bytes, self.pipeline_depth,
-                     self.shared_memory, self._host_path.slot_bytes)
+                     self.shared_memory, self._host_path.slot_bytes, self.shm_copy)
         self._subgroups.append(child)
         return child
 
@@ -585,6 +589,14 @@ class Group:
         if layout is None:
             return None
         return LocalMode.TCP if self._host_path.arena is None else layout.mode
+
+    @property
+    def local_copy(self) -> ShmCopy | None:
+        """How a large all-reduce on one host moves bytes: ``SINGLE`` (ranks read each
+        other's arrays) or ``STAGED`` (through the segment); ``None`` until the first
+        large collective, or when it does not use shared memory."""
+        arena = self._host_path.arena
+        return None if arena is None else arena.copy
 
     # -- collectives ---------------------------------------------------------------------
 

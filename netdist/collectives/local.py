@@ -23,6 +23,16 @@ slot again (round ``k + 2``) only after everyone signalled ``red`` for round ``k
 folds into the parity-p result only after everyone signalled ``in`` for round ``k + 2``,
 which each rank does after copying round ``k``'s result out.
 
+Single copy (``ShmCopy.SINGLE``, the default where the kernel allows it): the slots are
+skipped and each rank reads its peers' arrays themselves (``netdist.transport.cma``).
+Every rank sends its array's address (the ``in`` signal); rank ``j`` folds chunk ``j``
+block by block, reading each peer's block into a cache-sized buffer, straight into its
+own array, and signals ``red``; then every rank reads each other chunk, reduced, from its
+owner's array into its own and signals ``done``, and returns once everyone has. A rank
+overwrites a chunk of its array only after every rank that reads it raw has signalled
+``red``, and its array is left alone once its call returns. Per byte reduced that is
+one copy across processes instead of two, and no staging writes at all.
+
 Between collectives the same holds: each one ends only when no other rank still reads
 what this rank writes first in the next (the final ``red``/``done`` waits, and the
 broadcast root's release), and the group runs its shared-memory collectives one at a
@@ -33,7 +43,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import struct
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -44,9 +56,10 @@ from netdist.collectives.channel import Channel
 from netdist.collectives.hosts import HostLayout, LocalMode
 from netdist.collectives.ring import chain_broadcast, ring_all_reduce
 from netdist.collectives.small import bruck_all_gather_blobs
-from netdist.errors import SharedMemoryError
+from netdist.errors import LocalProtocolError, PeerLostError, SharedMemoryError
 from netdist.sharding import chunk_bounds
-from netdist.transport.shm import SegmentLocator, SharedSegment, host_key
+from netdist.transport import cma
+from netdist.transport.shm import SegmentLocator, SharedSegment, ShmCopy, host_key
 from netdist.types import ReduceOp, combine, divide_into
 
 __all__ = ["HostArena", "HostPath", "open_host_arena", "host_all_reduce", "host_broadcast",
@@ -67,8 +80,13 @@ SEGMENT_BUDGET = 256 * 1024 * 1024
 """With many ranks on a host, the largest slot shrinks so a segment stays within this
 (address space: pages are touched only as large collectives use them)."""
 
+FOLD_BLOCK_BYTES = 256 * 1024
+"""Single-copy fold: each peer's block is read into a buffer this size, which stays in
+cache while it is folded into the array."""
+
 _ALIGN = 64
 _SIGNAL = b"\x01"
+_ADDRESS = struct.Struct("<QQ")  # single copy: the array's address and byte count
 
 # sub-tags of the collective's tag (group.py reserves 0-7 for the TCP algorithms)
 _SUB_IN, _SUB_REDUCED, _SUB_GATHER_IN, _SUB_GATHER_DONE = 8, 9, 10, 11
@@ -103,7 +121,7 @@ class HostArena:
     """The shared segment of one group's ranks on this host, and the collectives over it."""
 
     def __init__(self, segment: SharedSegment, layout: HostLayout, min_slot: int,
-                 max_slot: int) -> None:
+                 max_slot: int, pids: dict[int, int] | None = None) -> None:
         self.segment = segment
         self.layout = layout
         self.min_slot = min_slot
@@ -111,6 +129,14 @@ class HostArena:
         self.slot_bytes = min_slot
         """The running collective's slot size (the arena runs one at a time)."""
         self._peers = tuple(p for p in layout.local_ranks if p != layout.rank)
+        self._pids = pids
+        """Group rank -> process id of every rank of the host, when the ranks can read
+        each other's memory (single copy); None keeps the staged path."""
+
+    @property
+    def copy(self) -> ShmCopy:
+        """How this arena's all-reduce moves bytes (agreed by every rank at setup)."""
+        return ShmCopy.STAGED if self._pids is None else ShmCopy.SINGLE
 
     @staticmethod
     def data_bytes(local_size: int, max_slot: int) -> int:
@@ -144,9 +170,10 @@ class HostArena:
 
     # -- signals --------------------------------------------------------------------------
 
-    async def _signal(self, chan: Channel, sub: int, peers: Sequence[int] | None = None) -> None:
+    async def _signal(self, chan: Channel, sub: int, peers: Sequence[int] | None = None,
+                      data: bytes = _SIGNAL) -> None:
         for peer in self._peers if peers is None else peers:
-            await chan.send(peer, _SIGNAL, sub)
+            await chan.send(peer, data, sub)
 
     async def _wait(self, chan: Channel, sub: int, peers: Sequence[int] | None = None) -> None:
         for peer in self._peers if peers is None else peers:
@@ -187,6 +214,9 @@ class HostArena:
     async def all_reduce(self, chan: Channel, flat: np.ndarray, op: ReduceOp,
                          divisor: int | None) -> None:
         """All-reduce ``flat`` in place among this host's ranks (see the module docstring)."""
+        if self._pids is not None:
+            await self._all_reduce_single_copy(chan, flat, op, divisor)
+            return
         n = self.local_size
         self._size_slots(flat.nbytes)
         pieces = self._pieces(flat, chunk_bounds(flat.size, n))
@@ -206,6 +236,87 @@ class HostArena:
             await self._wait(chan, _SUB_REDUCED)
             for i, (a, b) in enumerate(pieces.of(k)):
                 flat[a:b] = result[i * pieces.piece:i * pieces.piece + b - a]
+
+    async def _all_reduce_single_copy(self, chan: Channel, flat: np.ndarray, op: ReduceOp,
+                                      divisor: int | None) -> None:
+        """All-reduce by reading the peers' arrays directly (see the module docstring)."""
+        order = self.layout.local_ranks
+        me = self.layout.local
+        chunks = chunk_bounds(flat.size, len(order))
+        await self._signal(chan, _SUB_IN, data=_ADDRESS.pack(flat.ctypes.data, flat.nbytes))
+        addresses = {}
+        for peer in self._peers:
+            addresses[peer] = self._address(await chan.recv(peer, sub=_SUB_IN), peer, flat)
+        a, b = chunks[me]
+        block = max(1, FOLD_BLOCK_BYTES // flat.itemsize)
+        with chan.scratch(2 * block * flat.itemsize) as raw:
+            buffers = raw[:2 * block * flat.itemsize].view(flat.dtype)
+            for start in range(a, b, block):
+                stop = min(start + block, b)
+                self._fold_block(chan, op, flat, start, stop, addresses,
+                                 buffers[:stop - start], buffers[block:block + stop - start])
+                if divisor is not None:
+                    divide_into(flat[start:stop], divisor)
+        await self._signal(chan, _SUB_REDUCED)
+        await self._wait(chan, _SUB_REDUCED)  # every raw read of this array is over
+        for index, peer in enumerate(order):
+            lo, hi = chunks[index]
+            if peer != chan.rank and hi > lo:
+                self._read(chan, peer, addresses[peer] + lo * flat.itemsize, flat[lo:hi])
+        await self._signal(chan, _SUB_GATHER_DONE)
+        await self._wait(chan, _SUB_GATHER_DONE)  # nobody reads this array any more
+
+    def _fold_block(self, chan: Channel, op: ReduceOp, flat: np.ndarray, start: int,
+                    stop: int, addresses: dict[int, int], first: np.ndarray,
+                    spare: np.ndarray) -> None:
+        """``flat[start:stop]`` = that block of every local rank's array folded in rank
+        order (lowest first, as the staged path folds, so the bits match)."""
+        order = self.layout.local_ranks
+        me = self.layout.local
+        target = flat[start:stop]
+
+        def operand(index: int, into: np.ndarray) -> np.ndarray:
+            if index == me:
+                return target
+            peer = order[index]
+            self._read(chan, peer, addresses[peer] + start * flat.itemsize, into)
+            return into
+
+        # ranks 0 and 1 fold straight into their own block; a higher rank's block is an
+        # operand later, so it accumulates in ``first`` and copies the result in at the end
+        low, high = operand(0, first), operand(1, spare)
+        acc = target if me <= 1 else first
+        combine(op, low, high, acc)
+        for index in range(2, len(order)):
+            combine(op, acc, operand(index, spare), acc)
+        if acc is not target:
+            target[...] = acc
+
+    def _address(self, message: np.ndarray, peer: int, flat: np.ndarray) -> int:
+        """The address in ``peer``'s announcement, after checking it is one for an array
+        of ``flat``'s size."""
+        raw = message.tobytes()
+        if len(raw) != _ADDRESS.size:
+            raise LocalProtocolError(f"group rank {peer} sent a {len(raw)}-byte array "
+                                     "announcement; single-copy shared memory expects "
+                                     f"{_ADDRESS.size}")
+        address, nbytes = _ADDRESS.unpack(raw)
+        if nbytes != flat.nbytes:
+            raise LocalProtocolError(f"group rank {peer} all-reduces {nbytes} bytes, "
+                                     f"group rank {self.layout.rank} {flat.nbytes}")
+        return int(address)
+
+    def _read(self, chan: Channel, peer: int, address: int, out: np.ndarray) -> None:
+        """Copy ``out.nbytes`` bytes of group rank ``peer``'s memory at ``address``."""
+        assert self._pids is not None
+        try:
+            cma.read_into(self._pids[peer], address, out)
+        except cma.RemoteReadError as exc:
+            if exc.errno == errno.ESRCH:
+                raise PeerLostError(chan.ranks[peer], f"group rank {peer}'s process is "
+                                    "gone (its memory cannot be read)") from None
+            raise SharedMemoryError(f"cannot read group rank {peer}'s array: "
+                                    f"{exc.strerror}") from None
 
     async def reduce_scatter(self, chan: Channel, flat: np.ndarray, op: ReduceOp,
                              chunks: Sequence[tuple[int, int]], out: np.ndarray,
@@ -288,7 +399,8 @@ def _length(bounds: tuple[int, int]) -> int:
 
 
 async def open_host_arena(chan: Channel, enabled: bool,
-                          slot_bytes: int = DEFAULT_SLOT_BYTES
+                          slot_bytes: int = DEFAULT_SLOT_BYTES,
+                          copy: ShmCopy = ShmCopy.SINGLE
                           ) -> tuple[HostLayout, HostArena | None]:
     """Find which ranks of ``chan``'s group share a host and give them a shared segment.
 
@@ -299,6 +411,9 @@ async def open_host_arena(chan: Channel, enabled: bool,
     Otherwise each host's lowest rank creates the segment and sends its locator to the
     others, who attach, and one exchange agrees on the outcome: if any rank has shared
     memory off, or could not create or attach, every rank uses TCP (saying why once).
+    The same exchange carries each rank's probe target; on one host a second exchange
+    agrees whether every rank could read every other's memory (single copy) or the
+    all-reduce stages its copies (``copy``, or a failed probe anywhere).
     """
     known = chan.transport.host_keys()
     if known is None:
@@ -318,9 +433,12 @@ async def open_host_arena(chan: Channel, enabled: bool,
     max_slot = max(64 * 1024, min(MAX_SLOT_BYTES, fit))
     min_slot = max(4096, min(slot_bytes, max_slot))
     segment, problem = await _create_or_attach(chan, layout, enabled, max_slot)
-    outcomes = await bruck_all_gather_blobs(chan.derive(_SUB_SETUP), msgpack.packb(problem))
-    failed = [(r, text) for r, text in enumerate(msgpack.unpackb(b) for b in outcomes)
-              if text is not None]
+    token = (cma.ProbeToken() if copy is ShmCopy.SINGLE and cma.available()
+             and layout.mode is LocalMode.SINGLE_HOST else None)
+    outcomes = await bruck_all_gather_blobs(chan.derive(_SUB_SETUP), msgpack.packb(
+        [problem, None if token is None else token.target.pack()]))
+    entries = [_outcome(msgpack.unpackb(b)) for b in outcomes]
+    failed = [(r, text) for r, (text, _) in enumerate(entries) if text is not None]
     if failed:
         if segment is not None:
             segment.close()
@@ -334,7 +452,49 @@ async def open_host_arena(chan: Channel, enabled: bool,
         raise SharedMemoryError(f"group rank {chan.rank} agreed on shared memory without "
                                 "holding a segment")
     segment.release_fd()  # every local peer has attached (the exchange above says so)
-    return layout, HostArena(segment, layout, min_slot, max_slot)
+    pids = await _agree_single_copy(chan, layout, [target for _, target in entries], token)
+    return layout, HostArena(segment, layout, min_slot, max_slot, pids)
+
+
+def _outcome(entry: object) -> tuple[str | None, cma.ProbeTarget | None]:
+    """A rank's setup outcome: its problem (None: ready) and its probe target."""
+    fields = list(entry) if isinstance(entry, (list, tuple)) else []
+    if len(fields) != 2 or not (fields[0] is None or isinstance(fields[0], str)):
+        return f"malformed setup outcome {entry!r}", None
+    return fields[0], cma.ProbeTarget.unpack(fields[1])
+
+
+async def _agree_single_copy(chan: Channel, layout: HostLayout,
+                             targets: Sequence[cma.ProbeTarget | None],
+                             token: cma.ProbeToken | None) -> dict[int, int] | None:
+    """Group rank -> pid of the host's ranks if every rank read every other's probe
+    token back (single copy), else None (staged; said once, at INFO). ``token`` is this
+    rank's own, kept alive until everyone has probed it."""
+    if layout.mode is not LocalMode.SINGLE_HOST:
+        return None
+    problem: str | None = None
+    if token is None:
+        problem = ("single copy is off on this rank (NETDIST_SHM_COPY=staged or "
+                   "shm_copy='staged')" if cma.available() else
+                   "process_vm_readv is not available on this rank")
+    else:
+        for peer in layout.local_ranks:
+            if peer != layout.rank and problem is None:
+                problem = cma.probe_peer(targets[peer], f"group rank {peer}")
+    verdicts = await bruck_all_gather_blobs(chan.derive(_SUB_SETUP), msgpack.packb(problem))
+    del token  # every rank has probed it
+    texts = [msgpack.unpackb(b) for b in verdicts]
+    problems = [(r, str(text)) for r, text in enumerate(texts) if text is not None]
+    if problems:
+        if chan.rank == 0:
+            logger.info("netdist: shared-memory all-reduce stages its copies: %s",
+                        "; ".join(f"group rank {r}: {t}" for r, t in problems))
+        return None
+    pids = {}
+    for peer, target in enumerate(targets):
+        assert target is not None  # every rank probed every target successfully
+        pids[peer] = target.pid
+    return pids
 
 
 _OFF = "shared memory is off on this rank (NETDIST_SHM=0 or shared_memory=False)"
@@ -380,9 +540,11 @@ class HostPath:
     serves them in the same order. When the setup chose TCP, turns are free for all.
     """
 
-    def __init__(self, enabled: bool, slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
+    def __init__(self, enabled: bool, slot_bytes: int = DEFAULT_SLOT_BYTES,
+                 copy: ShmCopy = ShmCopy.SINGLE) -> None:
         self.enabled = enabled
         self.slot_bytes = slot_bytes
+        self.copy = copy
         self.layout: HostLayout | None = None
         self.arena: HostArena | None = None
         self._issued = 0
@@ -419,8 +581,8 @@ class HostPath:
                 changed.clear()
                 await changed.wait()
             if self.layout is None:
-                self.layout, self.arena = await open_host_arena(chan, self.enabled,
-                                                                self.slot_bytes)
+                self.layout, self.arena = await open_host_arena(
+                    chan, self.enabled, self.slot_bytes, self.copy)
             yield self.arena
         finally:
             self._done(ticket)

@@ -21,6 +21,7 @@ machine into pretend hosts (the hierarchical algorithms are then exercised on on
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import mmap
 import os
@@ -32,7 +33,8 @@ import numpy as np
 
 from netdist.errors import SharedMemoryError
 
-__all__ = ["SegmentLocator", "SharedSegment", "host_key", "shared_memory_enabled",
+__all__ = ["SegmentLocator", "SharedSegment", "ShmCopy", "host_key", "shared_memory_enabled",
+           "shared_memory_copy",
            "HEADER_BYTES", "MEMFD_PREFIX"]
 
 HEADER_BYTES = 64
@@ -61,6 +63,30 @@ def shared_memory_enabled(setting: bool | None) -> bool:
         return bool(setting)
     value = os.environ.get("NETDIST_SHM", "1").strip().lower()
     return value not in ("0", "false", "no", "off")
+
+
+class ShmCopy(enum.Enum):
+    """How a single-host all-reduce moves bytes between the ranks' arrays."""
+
+    SINGLE = "single"
+    """Each rank reads its peers' arrays directly (``process_vm_readv``): one copy per
+    byte moved and nothing staged, where the kernel lets the ranks read each other (a
+    probe at setup decides; otherwise ``STAGED``)."""
+    STAGED = "staged"
+    """Through the shared segment's slots: copied in by the owner, out by the reader."""
+
+
+def shared_memory_copy(setting: ShmCopy | str | None) -> ShmCopy:
+    """``setting`` if given, else ``NETDIST_SHM_COPY`` (``single``, the default, or
+    ``staged``); anything else is a ``ValueError`` naming the accepted values."""
+    raw = os.environ.get("NETDIST_SHM_COPY", "single") if setting is None else setting
+    if isinstance(raw, ShmCopy):
+        return raw
+    try:
+        return ShmCopy(str(raw).strip().lower())
+    except ValueError:
+        source = "NETDIST_SHM_COPY" if setting is None else "shm_copy"
+        raise ValueError(f"{source} must be 'single' or 'staged', got {raw!r}") from None
 
 
 def _read(path: str) -> str:

@@ -9,8 +9,8 @@ Modes (first argument):
   few segments. Survivors print ``ERROR <type>: <message>`` and exit 3 (or exit 0 with
   ``UNEXPECTED success``).
 - ``shmkill VICTIM``: one large all_reduce through shared memory (which sets it up), then
-  a second in which rank VICTIM SIGKILLs itself after a few signals, mid-round; survivors
-  report as for ``kill``.
+  a second in which rank VICTIM SIGKILLs itself after its first signals, mid-round (with
+  single copy, while its peers read its array); survivors report as for ``kill``.
 
 Every mode prints ``MODE <local mode>`` after its first large collective.
 """
@@ -121,8 +121,11 @@ async def shmkill(victim: int) -> None:
         g = Group(transport, small_message_bytes=0, shm_slot_bytes=64 * 1024)
         await g.all_reduce(np.ones(1 << 20, np.float32), timeout=30)
         print(f"MODE {g.local_mode.value if g.local_mode else None}", flush=True)
+        print(f"COPY {g.local_copy.value if g.local_copy else None}", flush=True)
         if transport.rank == victim:
-            _die_after(transport, 7)  # a few rounds of signals in
+            # 3 peers: its 3 "in" signals out (single copy: the peers now read its array),
+            # then gone at the first "reduced", mid-round on either copy path
+            _die_after(transport, 3)
         await _large_all_reduce_fails(g, transport.rank)
 
 

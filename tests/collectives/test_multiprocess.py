@@ -73,15 +73,20 @@ def _shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def test_sigkill_mid_shared_memory_all_reduce_fails_survivors_and_leaks_nothing() -> None:
+@pytest.mark.parametrize("copy", ["single", "staged"])
+def test_sigkill_mid_shared_memory_all_reduce_fails_survivors_and_leaks_nothing(
+        copy: str) -> None:
     n, victim, op_timeout = 4, 1, 8.0
     before = _shm_entries()
     results = [(r.returncode, r.stdout) for r in finish_ranks(
-        _spawn(n, ["shmkill", str(victim)], MP_OP_TIMEOUT=str(op_timeout)), timeout=90)]
+        _spawn(n, ["shmkill", str(victim)], MP_OP_TIMEOUT=str(op_timeout),
+               NETDIST_SHM_COPY=copy), timeout=90)]
     code, out = results[victim]
     assert code == -9, f"victim should have been SIGKILLed:\n{out}"
+    shared = _expected_mode(n) != "tcp"
     for rank, (code, out) in enumerate(results):
         assert f"MODE {_expected_mode(n)}" in out, out
+        assert f"COPY {copy if shared else None}" in out, out
         if rank == victim:
             continue
         assert code == 3, f"rank {rank} did not fail as expected ({code}):\n{out}"

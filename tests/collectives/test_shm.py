@@ -15,12 +15,16 @@ import pytest
 
 from netdist.collectives import Group
 from netdist.collectives.hosts import MAX_LOCAL_RANKS, HostLayout, LocalMode
-from netdist.errors import SharedMemoryError
+from netdist.errors import CollectiveMismatchError, SharedMemoryError
+from netdist.collectives.local import FOLD_BLOCK_BYTES
+from netdist.transport import cma
 from netdist.transport.shm import (
     HEADER_BYTES,
     SegmentLocator,
     SharedSegment,
+    ShmCopy,
     host_key,
+    shared_memory_copy,
     shared_memory_enabled,
 )
 from netdist.types import ReduceOp, combine
@@ -79,6 +83,54 @@ def test_netdist_shm_variable(monkeypatch: pytest.MonkeyPatch, value: str,
     monkeypatch.setenv("NETDIST_SHM", value)
     assert shared_memory_enabled(None) is expected
     assert shared_memory_enabled(True) is True and shared_memory_enabled(False) is False
+
+
+@pytest.mark.parametrize("value, expected", [("single", ShmCopy.SINGLE),
+                                             ("Staged", ShmCopy.STAGED)])
+def test_netdist_shm_copy_variable(monkeypatch: pytest.MonkeyPatch, value: str,
+                                   expected: ShmCopy) -> None:
+    monkeypatch.setenv("NETDIST_SHM_COPY", value)
+    assert shared_memory_copy(None) is expected
+    assert shared_memory_copy("staged") is ShmCopy.STAGED
+    monkeypatch.delenv("NETDIST_SHM_COPY")
+    assert shared_memory_copy(None) is ShmCopy.SINGLE
+    monkeypatch.setenv("NETDIST_SHM_COPY", "twice")
+    with pytest.raises(ValueError, match="NETDIST_SHM_COPY must be 'single' or 'staged', "
+                                         "got 'twice'"):
+        shared_memory_copy(None)
+
+
+# -- single-copy reads (cross-memory attach) ----------------------------------------------
+
+def test_read_into_copies_this_process_memory_exactly() -> None:
+    source = np.arange(100_000, dtype=np.int64)
+    out = np.empty(50_000, np.int64)
+    cma.read_into(os.getpid(), source.ctypes.data + 25_000 * 8, out)
+    assert np.array_equal(out, source[25_000:75_000])
+
+
+def test_read_of_a_finished_process_is_esrch() -> None:
+    import errno
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True, timeout=60)
+    with pytest.raises(cma.RemoteReadError) as caught:
+        cma.read_into(int(child.stdout), 4096, np.empty(8, np.uint8))
+    assert caught.value.errno == errno.ESRCH
+
+
+def test_probe_reads_the_token_back_and_names_what_is_wrong() -> None:
+    token = cma.ProbeToken()
+    target = token.target
+    assert cma.probe_peer(target, "group rank 1") is None
+    forged = cma.ProbeTarget(target.pid, target.address, bytes(16))
+    assert cma.probe_peer(forged, "group rank 1") == (
+        "group rank 1's memory does not hold the token it announced")
+    assert cma.probe_peer(cma.ProbeTarget.unpack([1, "x", b"t"]), "group rank 2") == (
+        "group rank 2 sent a malformed probe")
+    assert cma.ProbeTarget.unpack(target.pack()) == target
 
 
 # -- segments ----------------------------------------------------------------------------
@@ -184,18 +236,64 @@ async def test_a_rank_that_cannot_attach_puts_everyone_on_tcp_and_says_why(
         raise SharedMemoryError(f"cannot open {peer}'s shared-memory segment: denied")
 
     monkeypatch.setattr(SharedSegment, "attach", staticmethod(refuse))
+    paths, said = await _sum_saying(caplog, logging.WARNING, "shared memory off", 3,
+                                    small_message_bytes=RING, shared_memory=True)
+    assert paths == [(LocalMode.TCP, None)] * 3
+    assert len(said) == 1 and "group rank 1: cannot open group rank 0's" in said[0]
 
-    async def body(g: Group) -> tuple[LocalMode | None, np.ndarray]:
+
+async def _sum_saying(caplog: pytest.LogCaptureFixture, level: int, phrase: str,
+                      ranks: int | list[Group], **options: object
+                      ) -> tuple[list[tuple[LocalMode | None, ShmCopy | None]], list[str]]:
+    """Every rank all-reduces ``rank + 1`` (checked exactly); the data path each rank took,
+    and the log lines at ``level`` containing ``phrase``."""
+    async def body(g: Group) -> tuple[LocalMode | None, ShmCopy | None]:
         array = np.full(5000, g.rank + 1, np.int64)
         await g.all_reduce(array)
-        return g.local_mode, array
+        n = g.world_size
+        assert np.array_equal(array, np.full(5000, n * (n + 1) // 2))
+        return g.local_mode, g.local_copy
 
-    with caplog.at_level(logging.WARNING, logger="netdist.collectives"):
-        results = await run_ranks(3, body, small_message_bytes=RING, shared_memory=True)
-    assert [mode for mode, _ in results] == [LocalMode.TCP] * 3
-    assert all(np.array_equal(a, np.full(5000, 6)) for _, a in results)
-    warnings = [r.getMessage() for r in caplog.records if "shared memory off" in r.getMessage()]
-    assert len(warnings) == 1 and "group rank 1: cannot open group rank 0's" in warnings[0]
+    with caplog.at_level(level, logger="netdist.collectives"):
+        paths = await run_ranks(ranks, body, close=True, **options)
+    return paths, [r.getMessage() for r in caplog.records if phrase in r.getMessage()]
+
+
+async def test_one_rank_staging_puts_the_host_on_staged_copies_and_says_so_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from netdist.transport import InProcessTransport
+
+    groups = [Group(t, small_message_bytes=RING, shared_memory=True,
+                    shm_copy="staged" if t.rank == 2 else None)
+              for t in InProcessTransport.create_group(3, timeout=10)]
+    paths, said = await _sum_saying(caplog, logging.INFO, "stages its copies", groups)
+    assert paths == [(LocalMode.SINGLE_HOST, ShmCopy.STAGED)] * 3
+    assert len(said) == 1 and "group rank 2: single copy is off on this rank" in said[0]
+
+
+async def test_a_rank_that_cannot_read_its_peers_puts_the_host_on_staged_copies(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def refuse(target: cma.ProbeTarget | None, peer: str) -> str | None:
+        return f"cannot read {peer}'s memory: Operation not permitted"
+
+    monkeypatch.setattr(cma, "probe_peer", refuse)
+    paths, said = await _sum_saying(caplog, logging.INFO, "stages its copies", 2,
+                                    small_message_bytes=RING, shared_memory=True)
+    assert paths == [(LocalMode.SINGLE_HOST, ShmCopy.STAGED)] * 2
+    assert len(said) == 1 and "cannot read group rank 1's memory" in said[0]
+
+
+async def test_single_copy_all_reduce_of_different_sizes_is_a_mismatch_error() -> None:
+    async def body(g: Group) -> str:
+        await g.all_reduce(np.ones(1000, np.float32))  # sets the arena up
+        with pytest.raises(CollectiveMismatchError) as caught:
+            await g.all_reduce(np.ones(5000 + 1000 * g.rank, np.float32), timeout=10)
+        return str(caught.value)
+
+    errors = await run_ranks(2, body, small_message_bytes=RING, shared_memory=True,
+                             shm_copy=ShmCopy.SINGLE)
+    assert "group rank 1 all-reduces 24000 bytes, group rank 0 20000" in errors[0]
+    assert "every rank must pass the same shape and dtype" in errors[0]
 
 
 # -- results -----------------------------------------------------------------------------
@@ -208,19 +306,24 @@ def _fold(arrays: list[np.ndarray], op: ReduceOp) -> np.ndarray:
     return out
 
 
+@pytest.mark.parametrize("copy", list(ShmCopy))
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MEAN])
-async def test_all_reduce_folds_lowest_rank_first_bitwise(n: int, op: ReduceOp) -> None:
+async def test_all_reduce_folds_lowest_rank_first_bitwise(n: int, op: ReduceOp,
+                                                          copy: ShmCopy) -> None:
     rng = np.random.default_rng(5)
-    inputs = [rng.standard_normal(50_001).astype(np.float32) for _ in range(n)]
+    size = 50_001 if copy is ShmCopy.STAGED else 3 * FOLD_BLOCK_BYTES // 4 * n + 7
+    inputs = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
 
-    async def body(g: Group) -> np.ndarray:
+    async def body(g: Group) -> tuple[np.ndarray, ShmCopy | None]:
         array = inputs[g.rank].copy()
         await g.all_reduce(array, op)
-        return array
+        return array, g.local_copy
 
-    results = await run_ranks(n, body, small_message_bytes=RING, shared_memory=True,
-                              shm_slot_bytes=SLOT)
+    outcomes = await run_ranks(n, body, small_message_bytes=RING, shared_memory=True,
+                               shm_slot_bytes=SLOT, shm_copy=copy)
+    assert [used for _, used in outcomes] == [copy] * n
+    results = [array for array, _ in outcomes]
     assert_bitwise_equal(results)
     expected = _fold(inputs, ReduceOp.SUM if op is ReduceOp.MEAN else op)
     if op is ReduceOp.MEAN:
@@ -252,11 +355,13 @@ async def test_collectives_in_flight_together_take_turns_on_the_slots() -> None:
         assert np.array_equal(got[5], np.full(len(got[5]), total * 6))
 
 
-async def test_bfloat16_mean_through_shared_memory_matches_the_ordered_fold() -> None:
+@pytest.mark.parametrize("copy", list(ShmCopy))
+async def test_bfloat16_mean_through_shared_memory_matches_the_ordered_fold(
+        copy: ShmCopy) -> None:
     from netdist.types import bfloat16_to_float32, float32_to_bfloat16
 
     rng = np.random.default_rng(9)
-    inputs = [float32_to_bfloat16(rng.standard_normal(30_000).astype(np.float32))
+    inputs = [float32_to_bfloat16(rng.standard_normal(300_001).astype(np.float32))
               for _ in range(3)]
 
     async def body(g: Group) -> np.ndarray:
@@ -265,7 +370,7 @@ async def test_bfloat16_mean_through_shared_memory_matches_the_ordered_fold() ->
         return array
 
     results = await run_ranks(3, body, small_message_bytes=RING, shared_memory=True,
-                              shm_slot_bytes=SLOT)
+                              shm_slot_bytes=SLOT, shm_copy=copy)
     summed = bfloat16_to_float32(_fold(inputs, ReduceOp.SUM))
     expected = float32_to_bfloat16(summed / np.float32(3))  # one rounding, as torch divides
     assert_bitwise_equal(results)
