@@ -110,7 +110,14 @@ def test_node_loss_stops_everyone_then_resumes_on_the_same_trajectory(reference:
             assert errors and re.search(r"\brank 2\b", errors[-1]), (service, first[service])
             assert "Traceback" not in first[service], first[service]
         assert stopped_after <= TIMEOUT + MARGIN
-        saved = max(int(s) for s in CHECKPOINT_RE.findall(first[RANK0]))
+        # the newest complete checkpoint on disk is where the restart must resume: the
+        # one rank 0 announced last, or the next one if the kill landed between its
+        # commit and rank 0's announcement of it
+        announced = max(int(s) for s in CHECKPOINT_RE.findall(first[RANK0]))
+        on_disk = cluster.checkpoints()
+        assert on_disk["verify"]["code"] == 0, on_disk["verify"]
+        saved = int(on_disk["latest"].removeprefix("step_"))
+        assert saved in (announced, announced + STEPS_PER_EPOCH), (saved, first[RANK0])
 
         cluster.mark(*WORKERS)
         cluster.up()
