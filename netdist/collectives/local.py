@@ -308,7 +308,8 @@ class HostArena:
 
     def _read(self, chan: Channel, peer: int, address: int, out: np.ndarray) -> None:
         """Copy ``out.nbytes`` bytes of group rank ``peer``'s memory at ``address``."""
-        assert self._pids is not None
+        if self._pids is None:
+            raise SharedMemoryError("single-copy read on an arena that stages its copies")
         try:
             cma.read_into(self._pids[peer], address, out)
         except cma.RemoteReadError as exc:
@@ -490,10 +491,10 @@ async def _agree_single_copy(chan: Channel, layout: HostLayout,
             logger.info("netdist: shared-memory all-reduce stages its copies: %s",
                         "; ".join(f"group rank {r}: {t}" for r, t in problems))
         return None
-    pids = {}
-    for peer, target in enumerate(targets):
-        assert target is not None  # every rank probed every target successfully
-        pids[peer] = target.pid
+    pids = {peer: target.pid for peer, target in enumerate(targets) if target is not None}
+    if len(pids) != len(targets):  # every rank read every target back: none is missing
+        raise SharedMemoryError(f"group rank {chan.rank} agreed on single copy without "
+                                "every rank's probe target")
     return pids
 
 
