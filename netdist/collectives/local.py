@@ -24,14 +24,15 @@ folds into the parity-p result only after everyone signalled ``in`` for round ``
 which each rank does after copying round ``k``'s result out.
 
 Single copy (``ShmCopy.SINGLE``, the default where the kernel allows it): the slots are
-skipped and each rank reads its peers' arrays themselves (``netdist.transport.cma``).
-Every rank sends its array's address (the ``in`` signal); rank ``j`` folds chunk ``j``
-block by block, reading each peer's block into a cache-sized buffer, straight into its
-own array, and signals ``red``; then every rank reads each other chunk, reduced, from its
-owner's array into its own and signals ``done``, and returns once everyone has. A rank
-overwrites a chunk of its array only after every rank that reads it raw has signalled
-``red``, and its array is left alone once its call returns. Per byte reduced that is
-one copy across processes instead of two, and no staging writes at all.
+skipped and the ranks reach into each other's arrays themselves (``netdist.transport.cma``).
+Every rank sends its array's address (the ``in`` signal); rank ``j`` then owns chunk
+``j``: block by block it reads each peer's block into a cache-sized buffer, folds them
+straight into its own array, and writes the reduced block, still in cache, into every
+peer's array. It signals ``done`` and returns once everyone has. Chunk ``j`` of any
+array is read raw and written only by rank ``j`` (reads first, block by block), so no
+rank's fold sees a reduced block, and a rank's array is left alone once every ``done``
+is in. Per byte reduced that is one copy across processes instead of two, no staging
+writes, and one signal round after the addresses.
 
 Between collectives the same holds: each one ends only when no other rank still reads
 what this rank writes first in the next (the final ``red``/``done`` waits, and the
@@ -46,7 +47,7 @@ import contextlib
 import errno
 import logging
 import struct
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 import msgpack
@@ -82,7 +83,7 @@ SEGMENT_BUDGET = 256 * 1024 * 1024
 
 FOLD_BLOCK_BYTES = 256 * 1024
 """Single-copy fold: each peer's block is read into a buffer this size, which stays in
-cache while it is folded into the array."""
+cache while it is folded into the array and the result written to the peers."""
 
 _ALIGN = 64
 _SIGNAL = b"\x01"
@@ -239,7 +240,8 @@ class HostArena:
 
     async def _all_reduce_single_copy(self, chan: Channel, flat: np.ndarray, op: ReduceOp,
                                       divisor: int | None) -> None:
-        """All-reduce by reading the peers' arrays directly (see the module docstring)."""
+        """All-reduce by reaching into the peers' arrays directly (see the module
+        docstring): fold this rank's chunk, push it to every peer, wait for theirs."""
         order = self.layout.local_ranks
         me = self.layout.local
         chunks = chunk_bounds(flat.size, len(order))
@@ -257,14 +259,12 @@ class HostArena:
                                  buffers[:stop - start], buffers[block:block + stop - start])
                 if divisor is not None:
                     divide_into(flat[start:stop], divisor)
-        await self._signal(chan, _SUB_REDUCED)
-        await self._wait(chan, _SUB_REDUCED)  # every raw read of this array is over
-        for index, peer in enumerate(order):
-            lo, hi = chunks[index]
-            if peer != chan.rank and hi > lo:
-                self._read(chan, peer, addresses[peer] + lo * flat.itemsize, flat[lo:hi])
+                offset = start * flat.itemsize
+                for peer in self._peers:
+                    self._remote(chan, peer, cma.write_from, addresses[peer] + offset,
+                                 flat[start:stop])
         await self._signal(chan, _SUB_GATHER_DONE)
-        await self._wait(chan, _SUB_GATHER_DONE)  # nobody reads this array any more
+        await self._wait(chan, _SUB_GATHER_DONE)  # every chunk is in; nobody reaches in
 
     def _fold_block(self, chan: Channel, op: ReduceOp, flat: np.ndarray, start: int,
                     stop: int, addresses: dict[int, int], first: np.ndarray,
@@ -279,7 +279,8 @@ class HostArena:
             if index == me:
                 return target
             peer = order[index]
-            self._read(chan, peer, addresses[peer] + start * flat.itemsize, into)
+            self._remote(chan, peer, cma.read_into, addresses[peer] + start * flat.itemsize,
+                         into)
             return into
 
         # ranks 0 and 1 fold straight into their own block; a higher rank's block is an
@@ -306,17 +307,20 @@ class HostArena:
                                      f"group rank {self.layout.rank} {flat.nbytes}")
         return int(address)
 
-    def _read(self, chan: Channel, peer: int, address: int, out: np.ndarray) -> None:
-        """Copy ``out.nbytes`` bytes of group rank ``peer``'s memory at ``address``."""
+    def _remote(self, chan: Channel, peer: int,
+                move: Callable[[int, int, np.ndarray], None], address: int,
+                local: np.ndarray) -> None:
+        """``move`` (``cma.read_into`` or ``cma.write_from``) ``local``'s bytes from or to
+        group rank ``peer``'s memory at ``address``."""
         if self._pids is None:
-            raise SharedMemoryError("single-copy read on an arena that stages its copies")
+            raise SharedMemoryError("single-copy transfer on an arena that stages its copies")
         try:
-            cma.read_into(self._pids[peer], address, out)
+            move(self._pids[peer], address, local)
         except cma.RemoteReadError as exc:
             if exc.errno == errno.ESRCH:
                 raise PeerLostError(chan.ranks[peer], f"group rank {peer}'s process is "
-                                    "gone (its memory cannot be read)") from None
-            raise SharedMemoryError(f"cannot read group rank {peer}'s array: "
+                                    "gone (its memory cannot be reached)") from None
+            raise SharedMemoryError(f"cannot reach group rank {peer}'s array: "
                                     f"{exc.strerror}") from None
 
     async def reduce_scatter(self, chan: Channel, flat: np.ndarray, op: ReduceOp,
@@ -477,7 +481,8 @@ async def _agree_single_copy(chan: Channel, layout: HostLayout,
     if token is None:
         problem = ("single copy is off on this rank (NETDIST_SHM_COPY=staged or "
                    "shm_copy='staged')" if cma.available() else
-                   "process_vm_readv is not available on this rank")
+                   "cross-memory attach (process_vm_readv/writev) is not available "
+                   "on this rank")
     else:
         for peer in layout.local_ranks:
             if peer != layout.rank and problem is None:

@@ -1,14 +1,15 @@
-"""Single-copy reads of another process's memory on this host (Linux cross-memory attach).
+"""Single-copy transfers between processes on this host (Linux cross-memory attach).
 
 ``process_vm_readv(2)`` copies bytes from a peer process's address space straight into
-this one's, in one kernel copy and without a shared staging area. The kernel allows it
-only where the caller may ptrace the peer: the same user, and, under Yama's
-``ptrace_scope`` 1 or more, not between sibling processes at all (netdist never widens
-that itself). So every use is probed first (``probe_peer``), and a group whose ranks
-cannot read each other keeps the staged shared-memory path.
+this one's, and ``process_vm_writev(2)`` the other way, in one kernel copy and without a
+shared staging area. The kernel allows them only where the caller may ptrace the peer:
+the same user, and, under Yama's ``ptrace_scope`` 1 or more, not between sibling
+processes at all (netdist never widens that itself). So every use is probed first
+(``probe_peer`` reads a token back and writes it again), and a group whose ranks cannot
+reach each other's memory keeps the staged shared-memory path.
 
-``read_into`` is called without the GIL held (``ctypes`` releases it), so a progress
-thread copying gigabytes does not stall the training thread.
+``read_into`` and ``write_from`` are called without the GIL held (``ctypes`` releases
+it), so a progress thread copying gigabytes does not stall the training thread.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ProbeTarget", "ProbeToken", "RemoteReadError", "read_into", "probe_peer",
-           "available"]
+__all__ = ["ProbeTarget", "ProbeToken", "RemoteReadError", "read_into", "write_from",
+           "probe_peer", "available"]
 
 _MAX_CALL_BYTES = 1 << 30
 """Largest single call: the kernel may return short for more; callers loop anyway."""
@@ -32,10 +33,10 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
 
 
-def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _load(name: str) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.process_vm_readv
+        fn = getattr(libc, name)
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
@@ -44,37 +45,53 @@ def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
-_READV = _load()
+_READV = _load("process_vm_readv")
+_WRITEV = _load("process_vm_writev")
 
 
 def available() -> bool:
-    """Whether this platform has ``process_vm_readv`` at all (a probe says if it works)."""
-    return _READV is not None
+    """Whether this platform has cross-memory attach at all (a probe says if it works)."""
+    return _READV is not None and _WRITEV is not None
 
 
 class RemoteReadError(OSError):
-    """A read of a peer's memory failed; ``errno`` says why (``ESRCH``: the peer is gone)."""
+    """A read or write of a peer's memory failed; ``errno`` says why (``ESRCH``: the peer
+    is gone)."""
 
 
 def read_into(pid: int, address: int, out: np.ndarray) -> None:
     """Copy ``out.nbytes`` bytes from ``address`` in process ``pid`` into ``out``
     (C-contiguous). Raises ``RemoteReadError`` if any byte cannot be read."""
-    if _READV is None:
-        raise RemoteReadError(errno.ENOSYS, "process_vm_readv is not available here")
-    if not out.flags.c_contiguous:
-        raise ValueError("read_into needs a C-contiguous destination")
-    base, total, done = out.ctypes.data, out.nbytes, 0
+    _transfer(_READV, "read", pid, address, out)
+
+
+def write_from(pid: int, address: int, data: np.ndarray) -> None:
+    """Copy ``data`` (C-contiguous) to ``address`` in process ``pid``. Raises
+    ``RemoteReadError`` if any byte cannot be written."""
+    _transfer(_WRITEV, "write", pid, address, data)
+
+
+def _transfer(call: ctypes._CFuncPtr | None, verb: str,  # type: ignore[name-defined]
+              pid: int, address: int, local_array: np.ndarray) -> None:
+    """Move all of ``local_array``'s bytes to or from ``address`` in ``pid`` (the kernel
+    may move fewer per call: loop until done)."""
+    if call is None:
+        raise RemoteReadError(errno.ENOSYS, "cross-memory attach is not available here")
+    if not local_array.flags.c_contiguous:
+        raise ValueError(f"a cross-memory {verb} needs a C-contiguous local array")
+    base, total, done = local_array.ctypes.data, local_array.nbytes, 0
     local, remote = _IoVec(), _IoVec()
     while done < total:
         length = min(total - done, _MAX_CALL_BYTES)
         local.base, local.length = base + done, length
         remote.base, remote.length = address + done, length
-        got = _READV(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        if got <= 0:
-            code = ctypes.get_errno() if got < 0 else errno.EFAULT
-            raise RemoteReadError(code, f"cannot read {length} bytes at {address + done:#x} "
-                                        f"of process {pid}: {os.strerror(code)}")
-        done += got
+        moved = call(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        if moved <= 0:
+            code = ctypes.get_errno() if moved < 0 else errno.EFAULT
+            raise RemoteReadError(code, f"cannot {verb} {length} bytes at "
+                                        f"{address + done:#x} of process {pid}: "
+                                        f"{os.strerror(code)}")
+        done += moved
 
 
 @dataclass(frozen=True)
@@ -112,7 +129,8 @@ class ProbeToken:
 
 
 def probe_peer(target: ProbeTarget | None, peer: str) -> str | None:
-    """None if this process can read ``target``'s token back exactly, else why not."""
+    """None if this process can read ``target``'s token back exactly and write it again
+    (the same bytes: other ranks may be reading it meanwhile), else why not."""
     if target is None:
         return f"{peer} sent a malformed probe"
     got = np.empty(len(target.token), np.uint8)
@@ -122,4 +140,8 @@ def probe_peer(target: ProbeTarget | None, peer: str) -> str | None:
         return f"cannot read {peer}'s memory: {os.strerror(exc.errno or 0)}"
     if got.tobytes() != target.token:
         return f"{peer}'s memory does not hold the token it announced"
+    try:
+        write_from(target.pid, target.address, got)
+    except RemoteReadError as exc:
+        return f"cannot write {peer}'s memory: {os.strerror(exc.errno or 0)}"
     return None

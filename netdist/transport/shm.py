@@ -69,9 +69,9 @@ class ShmCopy(enum.Enum):
     """How a single-host all-reduce moves bytes between the ranks' arrays."""
 
     SINGLE = "single"
-    """Each rank reads its peers' arrays directly (``process_vm_readv``): one copy per
-    byte moved and nothing staged, where the kernel lets the ranks read each other (a
-    probe at setup decides; otherwise ``STAGED``)."""
+    """Each rank reads and writes its peers' arrays directly (``process_vm_readv`` /
+    ``process_vm_writev``): one copy per byte moved and nothing staged, where the kernel
+    lets the ranks reach each other (a probe at setup decides; otherwise ``STAGED``)."""
     STAGED = "staged"
     """Through the shared segment's slots: copied in by the owner, out by the reader."""
 

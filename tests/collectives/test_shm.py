@@ -109,6 +109,37 @@ def test_read_into_copies_this_process_memory_exactly() -> None:
     assert np.array_equal(out, source[25_000:75_000])
 
 
+def test_write_from_copies_into_this_process_memory_exactly() -> None:
+    target = np.zeros(100_000, dtype=np.int64)
+    data = np.arange(50_000, dtype=np.int64)
+    cma.write_from(os.getpid(), target.ctypes.data + 25_000 * 8, data)
+    assert np.array_equal(target[25_000:75_000], data)
+    assert not target[:25_000].any() and not target[75_000:].any()
+
+
+def test_probe_names_memory_it_can_read_but_not_write() -> None:
+    import ctypes
+    import mmap
+
+    token = b"0123456789abcdef"
+    page = mmap.mmap(-1, mmap.PAGESIZE)
+    page[:16] = token
+    view = np.frombuffer(page, np.uint8)
+    address = view.ctypes.data
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    # the kernel refuses a cross-memory write into a read-only mapping (EFAULT)
+    assert libc.mprotect(address, mmap.PAGESIZE, mmap.PROT_READ) == 0
+    try:
+        target = cma.ProbeTarget(os.getpid(), address, token)
+        assert cma.probe_peer(target, "group rank 3") == (
+            "cannot write group rank 3's memory: Bad address")
+    finally:
+        assert libc.mprotect(address, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+        del view
+        page.close()
+
+
 def test_read_of_a_finished_process_is_esrch() -> None:
     import errno
     import subprocess
