@@ -813,6 +813,31 @@ async def start_listener(host: str, port: int, factory: Callable[[], asyncio.Bas
     raise ConnectError(f"{what}: cannot listen on {host}:{port}: {last}") from last
 
 
+def stop_accepting(server: asyncio.Server) -> None:
+    """Stop ``server`` taking new connections, without closing it yet (``close_listener``).
+
+    asyncio (3.11's selector loops) accepts a socket in one loop turn and makes its
+    transport in the next, in a task; a ``Server.close()`` between the two makes that
+    transport's construction fail an assertion, which asyncio swallows, leaking the
+    accepted socket. Unregistering the listening sockets first ends new accepts at once
+    and leaves the server open for the transports already on their way.
+    """
+    loop = asyncio.get_running_loop()
+    for sock in server.sockets:
+        loop.remove_reader(sock.fileno())  # False (harmless) where the loop accepts itself
+
+
+async def close_listener(server: asyncio.Server) -> None:
+    """Close ``server`` without losing a connection it accepted a moment ago (see
+    ``stop_accepting``): the transports accepted before this call are made first, and
+    each goes to its protocol, which closes it if its owner is closing. Callers still
+    ``wait_closed()`` once their connections are closed (since 3.12 that waits for them).
+    """
+    stop_accepting(server)
+    await asyncio.sleep(0)  # accept tasks queued before stop_accepting make their transports
+    server.close()
+
+
 async def listen(host: str, port: int, factory: Callable[[], asyncio.BaseProtocol], *,
                  token: str | None, insecure: bool, what: str,
                  fallback_to_all: bool) -> tuple[asyncio.Server, tuple[str, int]]:

@@ -43,10 +43,12 @@ from netdist.transport.admission import AdmissionControl, Release
 from netdist.transport.connection import (
     RETRY_FIRST_PAUSE,
     FrameConnection,
+    close_listener,
     listen,
     open_connection,
     retry_pause,
     run_handshake,
+    stop_accepting,
 )
 from netdist.wire import (
     ClientHandshake,
@@ -290,7 +292,7 @@ class Coordinator:
             self._closed = True
             self._finish()
             if self._server is not None:
-                self._server.close()
+                stop_accepting(self._server)
             for conn in list(self._conns):
                 conn.close(send_bye=False, reason="coordinator closed")
             for task in list(self._tasks):
@@ -298,7 +300,11 @@ class Coordinator:
         tasks = list(self._tasks)
         conns = list(self._conns)
 
+        server = self._server
+
         async def finish() -> None:
+            if server is not None:
+                await close_listener(server)
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
             for conn in conns:

@@ -81,10 +81,12 @@ from netdist.transport.base import MAX_TAG, Transport
 from netdist.transport.connection import (
     RETRY_FIRST_PAUSE,
     FrameConnection,
+    close_listener,
     listen,
     open_connection,
     retry_pause,
     run_handshake,
+    stop_accepting,
 )
 from netdist.transport.links import (
     REFUSED_GRACE,
@@ -708,7 +710,7 @@ class TcpTransport(Transport):
             return TransportClosedError(f"rank {rank}: transport is closed")
 
         if self._server is not None:
-            self._server.close()
+            stop_accepting(self._server)  # closed by _finish_close (close_listener)
         self._links.close()
         for conn in self._connections:
             if conn is not None:
@@ -723,6 +725,8 @@ class TcpTransport(Transport):
             task.cancel()
 
     async def _finish_close(self) -> None:
+        if self._server is not None:
+            await close_listener(self._server)
         tasks = list(self._tasks)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
