@@ -32,7 +32,10 @@ the step without communication, so ``step - compute`` is what communication adde
 Next to every figure: ``cores``, the CPU time of all ranks over the wall time of the same
 section, and the machine's load average per job. On a host shared with other work both
 backends get less than the cores they could use, and not evenly: read the ratios against
-those (a busy machine shows as low ``cores`` for both backends).
+those (a busy machine shows as low ``cores`` for both backends). The DDP table's
+``helpers`` column is the CPU per step of every thread of a rank but the training thread
+(netdist's progress thread; Gloo's worker and I/O threads), averaged over ranks: with no
+idle core, that is what communication costs the step.
 
 Targets (issue 14): DDP step time netdist <= 0.8x Gloo at 2 ranks and <= 1.0x at 4;
 all_reduce busbw at 16 and 64 MiB >= 1.3x Gloo at 2 ranks; 8-byte all_reduce latency
@@ -141,16 +144,19 @@ def _all_reduce_times(dist: Any, tensor: Any, iters: int, warmup: int) -> list[f
 
 
 def _with_cpu(body: Callable[[], Any]) -> tuple[Any, list[float]]:
-    """``body()`` and ``[CPU seconds of this process (every thread), wall seconds]``."""
+    """``body()`` and ``[CPU seconds of this process (every thread), wall seconds, CPU
+    seconds of the calling thread]``."""
     import resource
 
     before = resource.getrusage(resource.RUSAGE_SELF)
+    own_before = time.thread_time()
     started = time.perf_counter()
     result = body()
     wall = time.perf_counter() - started
+    own = time.thread_time() - own_before
     after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    return result, [cpu, wall]
+    return result, [cpu, wall, own]
 
 
 class _StackSampler:
@@ -328,6 +334,8 @@ def worker(spec: dict[str, Any]) -> None:
         (out["ddp"], out["losses"]), out["ddp_cpu"] = _with_cpu(lambda: _profiled(
             prof and "ddp" in profile, spec["out"], "ddp", spec["profile_top"],
             lambda: _train_steps(model, batch, spec["ddp_steps"], spec["warmup"])))
+        cpu, _, own = out["ddp_cpu"]
+        out["ddp_helpers"] = (cpu - own) / (spec["ddp_steps"] + spec["warmup"])
         out["params"] = sum(p.numel() for p in model.parameters())
         del model
 
@@ -395,6 +403,7 @@ def run_job(spec: dict[str, Any], n: int, timeout: float,
         merged["losses"] = ranks[0]["losses"]
         merged["params"] = ranks[0]["params"]
         merged["ddp_cores"] = _busy_cores([r["ddp_cpu"] for r in ranks])
+        merged["ddp_helpers"] = statistics.mean(r["ddp_helpers"] for r in ranks)
     merged["all_reduce_cores"] = {int(size): _busy_cores([r["all_reduce_cpu"][size]
                                                           for r in ranks])
                                   for size in ranks[0]["all_reduce_cpu"]}
@@ -410,7 +419,7 @@ def _busy_cores(spans: list[list[float]]) -> float:
     the longest rank's wall time. Next to the cores available it says whether the job had
     the machine to itself (other load shows as a low figure for both backends) and how
     much CPU a backend spends on the same work."""
-    return sum(cpu for cpu, _ in spans) / max(max(wall for _, wall in spans), 1e-9)
+    return sum(span[0] for span in spans) / max(max(span[1] for span in spans), 1e-9)
 
 
 def _median(values: list[float]) -> float | None:
@@ -458,7 +467,8 @@ def summarise(rounds: list[dict[tuple[str, int], dict[str, Any] | None]],
     ddp_rows, ar_rows = [], []
     for n in world_sizes:
         per: dict[str, dict[str, list[float]]] = {
-            b: {"step": [], "compute": [], "fwd": [], "bwd": [], "opt": [], "cores": []}
+            b: {"step": [], "compute": [], "fwd": [], "bwd": [], "opt": [], "cores": [],
+                "helpers": []}
             for b in labels}
         pairs = []
         losses: dict[str, Any] = {}
@@ -477,6 +487,7 @@ def summarise(rounds: list[dict[tuple[str, int], dict[str, Any] | None]],
                 if job.get("compute"):
                     per[b]["compute"].append(statistics.median(sum(s) for s in job["compute"]))
                 per[b]["cores"].append(job["ddp_cores"])
+                per[b]["helpers"].append(job["ddp_helpers"])
                 losses.setdefault(b, job["losses"])
                 params = job["params"]
             if len(medians) == 2:
@@ -565,9 +576,10 @@ def print_tables(summary: dict[str, Any], labels: tuple[str, str], spec: dict[st
     print(f"\n# DDP step: MLP {' - '.join(str(w) for w in widths)} (ReLU between), "
           f"batch {spec['batch']} per rank, SGD; median over {rounds} rounds of the per-round "
           f"median of {spec['ddp_steps']} steps (slowest rank per step); cores: CPU time "
-          f"of all ranks / wall time over the DDP steps ({cores} available)")
+          f"of all ranks / wall time over the DDP steps ({cores} available); helpers: CPU "
+          "per step per rank of the threads other than the training thread")
     print(f"# {'ranks':>5} {'params':>7} {'backend':>9} {'step':>10} {'compute':>10} "
-          f"{'fwd':>10} {'bwd+comm':>10} {'opt':>10} {'cores':>6} {'ratio':>7} "
+          f"{'fwd':>10} {'bwd+comm':>10} {'opt':>10} {'cores':>6} {'helpers':>10} {'ratio':>7} "
           f"{'per round':>11}  same losses")
     for row in summary["ddp"]:
         for i, b in enumerate(labels):
@@ -582,7 +594,8 @@ def print_tables(summary: dict[str, Any], labels: tuple[str, str], spec: dict[st
             print(f"  {row['world_size']:>5} {params:>7} {b:>9} {_fmt_time(r['step']):>10} "
                   f"{_fmt_time(r['compute']):>10} {_fmt_time(r['fwd']):>10} "
                   f"{_fmt_time(r['bwd']):>10} {_fmt_time(r['opt']):>10} "
-                  f"{_fmt_cores(r['cores']):>6} {ratio:>7} {spread:>11}  {same}")
+                  f"{_fmt_cores(r['cores']):>6} {_fmt_time(r['helpers']):>10} {ratio:>7} "
+                  f"{spread:>11}  {same}")
     print(f"\n# dist.all_reduce float32, back to back, each call timed; median over "
           f"{rounds} rounds of the per-round median (slowest rank per call); busbw = "
           "2(n-1)/n * bytes / time; cores as above, over the calls")

@@ -68,6 +68,7 @@ def test_torch_ddp_quick_runs_both_backends(tmp_path: Path) -> None:
     assert ddp["world_size"] == 2 and ddp["rounds"] == 1 and ddp["losses_equal"] is True
     for backend in ("netdist", "gloo"):
         assert ddp[backend]["step"] > 0 and ddp[backend]["compute"] > 0
+        assert ddp[backend]["helpers"] > 0  # netdist's progress thread, Gloo's threads
     assert [(row["world_size"], row["size"]) for row in result["all_reduce"]] == [
         (2, 8), (2, 1024 * 1024)]
     for row in result["all_reduce"]:
