@@ -72,7 +72,7 @@ tasks are cancelled and awaited before the error propagates.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -81,6 +81,7 @@ import numpy as np
 
 from netdist.collectives.channel import Channel, CollectiveMismatchError, ScratchPool
 from netdist.collectives.hosts import LocalMode
+from netdist.collectives.lane import LANE_BYTES, LanePath
 from netdist.collectives.local import (
     DEFAULT_SLOT_BYTES,
     HostArena,
@@ -326,6 +327,7 @@ class Group:
         self.shm_copy = shm_copy
         """How this rank offers to move an all-reduce on one host (all must agree)."""
         self._host_path = HostPath(shared_memory, shm_slot_bytes, shm_copy)
+        self._lane = LanePath(shared_memory)
         self._seq = 0
         self._plans: dict[tuple[Any, ...], Any] = {}
         self._scratch = ScratchPool()
@@ -444,6 +446,7 @@ class Group:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._scratch.clear()
         self._host_path.close()
+        self._lane.close()
 
     def close(self) -> None:
         """Cancel outstanding work without waiting (prefer ``aclose``)."""
@@ -582,6 +585,20 @@ class Group:
             return None
         return self._host_path.ticket()
 
+    def _lane_ticket(self, nbytes: int) -> int | None:
+        """A turn on the same-host lane for a small all-reduce of ``nbytes`` (``None``:
+        too large for it, or a group of one). Taken at issue, in issue order, by every
+        rank alike: whether the group has a lane is agreed inside the first turn."""
+        if self.world_size < 2 or not 0 < nbytes <= LANE_BYTES:
+            return None
+        return self._lane.ticket()
+
+    @property
+    def has_lane(self) -> bool | None:
+        """Whether small all-reduces pass through shared memory (every rank on this
+        host, shared memory on, x86-64); ``None`` until the first one has run."""
+        return self._lane.lane is not None if self._lane.decided else None
+
     @property
     def local_mode(self) -> LocalMode | None:
         """How large collectives move data (``None`` until the first one has run)."""
@@ -626,13 +643,21 @@ class Group:
         work, flat = self._flat(array)
         n = self.world_size
         ticket = self._ticket(flat.nbytes)
+        lane_ticket = None if ticket is not None else self._lane_ticket(flat.nbytes)
 
         async def body(chan: Channel) -> Any:
             if n > 1 and flat.size:
                 mean = op is ReduceOp.MEAN
                 segment = self._segment(flat.dtype, flat.nbytes // n, PIECES)
                 if ticket is None:
-                    await doubling_all_reduce(chan, flat, op)
+                    if lane_ticket is None:
+                        await doubling_all_reduce(chan, flat, op)
+                    else:
+                        async with self._lane.turn(chan, lane_ticket) as lane:
+                            if lane is not None:
+                                await lane.all_reduce(chan, flat, op)
+                            else:
+                                await doubling_all_reduce(chan, flat, op)
                     if mean:
                         divide_into(flat, n)
                 else:
@@ -648,6 +673,58 @@ class Group:
             return array if tensor is None else tensor
 
         return await self._submit("all_reduce", body, timeout, async_op)
+
+    def all_reduce_eager(self, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM, *,
+                         timeout: float | None = None
+                         ) -> tuple[bool, Coroutine[Any, Any, None] | None]:
+        """Start a small all-reduce of ``array`` in place on this thread, without the
+        event loop: for a blocking caller that holds the loop (``ProgressThread.try_call``),
+        where a loop iteration costs more than the all-reduce itself.
+
+        It runs only where the group's lane is set up, no earlier small all-reduce is
+        pending and ``array`` is a writeable C-contiguous NumPy array of at most
+        ``LANE_BYTES``; otherwise it returns ``(False, None)`` having done nothing, and
+        the caller uses ``all_reduce``. Started, it returns ``(True, None)`` if the call
+        finished here (every peer was already there or arrived within the spin budget),
+        or ``(True, rest)``: a coroutine the caller must run on the loop, which finishes
+        the call under its deadline with ``all_reduce``'s errors.
+        """
+        lane = self._lane.lane
+        if (lane is None or self._closed or self._rank < 0 or not self._lane.idle
+                or not isinstance(array, np.ndarray) or not array.flags.c_contiguous
+                or not array.flags.writeable or not 0 < array.nbytes <= LANE_BYTES):
+            return False, None
+        op = _as_op(op)
+        check_reduce_dtype(op, array.dtype, "all_reduce")
+        deadline = _timeout_value(timeout, "timeout")
+        chan = Channel(self._transport, self._ranks, self._rank, self._next_tag(),
+                       self._timeout if deadline is None else deadline, "all_reduce",
+                       self._plans, self._scratch)
+        ticket = self._lane.ticket()
+        flat = array.reshape(-1)
+        n = self.world_size
+        try:
+            rnd = lane.begin(flat, op, chan.op)
+            if rnd.settled:
+                lane.finish(rnd, chan.op)
+                if op is ReduceOp.MEAN:
+                    divide_into(flat, n)
+        except BaseException:
+            self._lane.done(ticket)
+            raise
+        if rnd.settled:
+            self._lane.done(ticket)
+            return True, None
+
+        async def rest(chan: Channel) -> None:
+            try:
+                await lane.complete(chan, rnd)
+            finally:
+                self._lane.done(ticket)
+            if op is ReduceOp.MEAN:
+                divide_into(flat, n)
+
+        return True, self._run(chan, rest)
 
     @overload
     async def reduce_scatter(self, array: ArrayT, op: ReduceOp | str = ReduceOp.SUM, *,

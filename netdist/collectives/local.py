@@ -57,6 +57,7 @@ from netdist.collectives.channel import Channel
 from netdist.collectives.hosts import HostLayout, LocalMode
 from netdist.collectives.ring import chain_broadcast, ring_all_reduce
 from netdist.collectives.small import bruck_all_gather_blobs
+from netdist.collectives.turns import TurnQueue
 from netdist.errors import LocalProtocolError, PeerLostError, SharedMemoryError
 from netdist.sharding import chunk_bounds
 from netdist.transport import cma
@@ -420,6 +421,35 @@ async def open_host_arena(chan: Channel, enabled: bool,
     agrees whether every rank could read every other's memory (single copy) or the
     all-reduce stages its copies (``copy``, or a failed probe anywhere).
     """
+    layout = await host_layout(chan, enabled)
+    if layout.mode is LocalMode.TCP:
+        return layout, None
+    local_size = len(layout.local_ranks)
+    fit = SEGMENT_BUDGET // (2 * (local_size + 1)) // 4096 * 4096
+    max_slot = max(64 * 1024, min(MAX_SLOT_BYTES, fit))
+    min_slot = max(4096, min(slot_bytes, max_slot))
+    segment, problem = await create_or_attach(
+        chan, layout, enabled, HostArena.data_bytes(local_size, max_slot))
+    token = (cma.ProbeToken() if copy is ShmCopy.SINGLE and cma.available()
+             and layout.mode is LocalMode.SINGLE_HOST else None)
+    segment, targets = await agree_on_segment(
+        chan, segment, problem, None if token is None else token.target.pack(),
+        "collectives use TCP")
+    if segment is None:
+        return replace(layout, mode=LocalMode.TCP), None
+    pids = await _agree_single_copy(chan, layout, [cma.ProbeTarget.unpack(t) for t in targets],
+                                    token)
+    return layout, HostArena(segment, layout, min_slot, max_slot, pids)
+
+
+async def host_layout(chan: Channel, enabled: bool) -> HostLayout:
+    """Which of ``chan``'s group ranks share a host (one collective of every rank).
+
+    Host keys come from the transport (registered at rendezvous); a transport that does
+    not know them has the ranks exchange them, and their ``enabled`` settings, over the
+    authenticated transport. With known keys each rank's own setting is agreed on later,
+    in ``agree_on_segment``.
+    """
     known = chan.transport.host_keys()
     if known is None:
         setup = chan.derive(_SUB_SETUP)
@@ -430,18 +460,20 @@ async def open_host_arena(chan: Channel, enabled: bool,
     else:
         keys = [known[r] for r in chan.ranks]
         flags = [True] * len(keys)  # each rank's own setting is agreed on below
-    layout = HostLayout.from_keys(keys, flags, chan.rank)
-    if layout.mode is LocalMode.TCP:
-        return layout, None
-    local_size = len(layout.local_ranks)
-    fit = SEGMENT_BUDGET // (2 * (local_size + 1)) // 4096 * 4096
-    max_slot = max(64 * 1024, min(MAX_SLOT_BYTES, fit))
-    min_slot = max(4096, min(slot_bytes, max_slot))
-    segment, problem = await _create_or_attach(chan, layout, enabled, max_slot)
-    token = (cma.ProbeToken() if copy is ShmCopy.SINGLE and cma.available()
-             and layout.mode is LocalMode.SINGLE_HOST else None)
-    outcomes = await bruck_all_gather_blobs(chan.derive(_SUB_SETUP), msgpack.packb(
-        [problem, None if token is None else token.target.pack()]))
+    return HostLayout.from_keys(keys, flags, chan.rank)
+
+
+async def agree_on_segment(chan: Channel, segment: SharedSegment | None, problem: str | None,
+                           extra: object, fallback: str
+                           ) -> tuple[SharedSegment | None, list[object]]:
+    """One exchange agreeing whether every rank holds the host's segment: each rank
+    sends its ``problem`` (None: attached) and ``extra``. If any rank has a problem,
+    every rank drops the segment and returns None, and group rank 0 says why once
+    (``fallback`` says what happens instead). Otherwise the creator's descriptor is
+    closed (every peer has attached) and the segment is returned with every rank's
+    ``extra``, in group rank order."""
+    outcomes = await bruck_all_gather_blobs(chan.derive(_SUB_SETUP),
+                                            msgpack.packb([problem, extra]))
     entries = [_outcome(msgpack.unpackb(b)) for b in outcomes]
     failed = [(r, text) for r, (text, _) in enumerate(entries) if text is not None]
     if failed:
@@ -450,23 +482,22 @@ async def open_host_arena(chan: Channel, enabled: bool,
         if chan.rank == 0:
             chosen = all(text == _OFF for _, text in failed)
             logger.log(logging.INFO if chosen else logging.WARNING,
-                       "netdist: shared memory off for this group, collectives use TCP: "
-                       "%s", "; ".join(f"group rank {r}: {t}" for r, t in failed))
-        return replace(layout, mode=LocalMode.TCP), None
+                       "netdist: shared memory off for this group, %s: %s", fallback,
+                       "; ".join(f"group rank {r}: {t}" for r, t in failed))
+        return None, []
     if segment is None:  # every rank reported no problem, so each holds its segment
         raise SharedMemoryError(f"group rank {chan.rank} agreed on shared memory without "
                                 "holding a segment")
     segment.release_fd()  # every local peer has attached (the exchange above says so)
-    pids = await _agree_single_copy(chan, layout, [target for _, target in entries], token)
-    return layout, HostArena(segment, layout, min_slot, max_slot, pids)
+    return segment, [extra for _, extra in entries]
 
 
-def _outcome(entry: object) -> tuple[str | None, cma.ProbeTarget | None]:
-    """A rank's setup outcome: its problem (None: ready) and its probe target."""
+def _outcome(entry: object) -> tuple[str | None, object]:
+    """A rank's setup outcome: its problem (None: ready) and its extra field."""
     fields = list(entry) if isinstance(entry, (list, tuple)) else []
     if len(fields) != 2 or not (fields[0] is None or isinstance(fields[0], str)):
         return f"malformed setup outcome {entry!r}", None
-    return fields[0], cma.ProbeTarget.unpack(fields[1])
+    return fields[0], fields[1]
 
 
 async def _agree_single_copy(chan: Channel, layout: HostLayout,
@@ -506,11 +537,11 @@ async def _agree_single_copy(chan: Channel, layout: HostLayout,
 _OFF = "shared memory is off on this rank (NETDIST_SHM=0 or shared_memory=False)"
 
 
-async def _create_or_attach(chan: Channel, layout: HostLayout, enabled: bool,
-                            max_slot: int) -> tuple[SharedSegment | None, str | None]:
-    """The host's lowest rank creates the segment and sends its locator to the host's
-    other ranks, which attach; returns the segment and this rank's problem, if any."""
-    size = HostArena.data_bytes(len(layout.local_ranks), max_slot)
+async def create_or_attach(chan: Channel, layout: HostLayout, enabled: bool,
+                            size: int) -> tuple[SharedSegment | None, str | None]:
+    """The host's lowest rank creates a segment of ``size`` data bytes and sends its
+    locator to the host's other ranks, which attach; returns the segment and this rank's
+    problem, if any."""
     leader = layout.local_ranks[0]
     segment: SharedSegment | None = None
     problem: str | None = None if enabled else _OFF
@@ -553,45 +584,24 @@ class HostPath:
         self.copy = copy
         self.layout: HostLayout | None = None
         self.arena: HostArena | None = None
-        self._issued = 0
-        self._serving = 0
-        self._abandoned: set[int] = set()
-        self._changed: asyncio.Event | None = None
+        self._turns = TurnQueue()
 
     def ticket(self) -> int:
         """Take the next turn (call when the collective is issued, in issue order)."""
-        ticket = self._issued
-        self._issued += 1
-        return ticket
-
-    def _ready(self, ticket: int) -> bool:
-        return self._serving == ticket or (self.layout is not None and self.arena is None)
-
-    def _done(self, ticket: int) -> None:
-        """``ticket`` no longer needs its turn (finished, failed or cancelled)."""
-        self._abandoned.add(ticket)
-        while self._serving in self._abandoned:
-            self._abandoned.discard(self._serving)
-            self._serving += 1
-        if self._changed is not None:
-            self._changed.set()
+        return self._turns.ticket()
 
     @contextlib.asynccontextmanager
     async def turn(self, chan: Channel, ticket: int) -> AsyncIterator[HostArena | None]:
         """Wait for ``ticket``'s turn and yield the arena (``None``: use TCP)."""
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        changed = self._changed
         try:
-            while not self._ready(ticket):
-                changed.clear()
-                await changed.wait()
+            await self._turns.wait(ticket)
             if self.layout is None:
                 self.layout, self.arena = await open_host_arena(
                     chan, self.enabled, self.slot_bytes, self.copy)
+                self._turns.free = self.arena is None
             yield self.arena
         finally:
-            self._done(ticket)
+            self._turns.done(ticket)
 
     def close(self) -> None:
         if self.arena is not None:

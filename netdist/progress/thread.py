@@ -268,6 +268,24 @@ class ProgressThread:
             raise
         return self._run(loop, coro, timeout, "the operation")
 
+    def try_call(self, fn: Callable[[], T]) -> tuple[bool, T | None]:
+        """Call the synchronous ``fn`` on this thread as the loop's driver, if the loop is
+        free: ``(True, fn())``; ``(False, None)`` when another thread runs the loop, or
+        when called from code the loop is running.
+
+        For operations that usually finish without waiting (a small all-reduce through
+        shared memory, ``Group.all_reduce_eager``): holding the loop, ``fn`` may use the
+        state its coroutines own, and skips the loop iterations a ``run()`` costs. ``fn``
+        must not block: anything that has to wait is a coroutine for ``run()``.
+        """
+        if self.on_thread() or not self._try_drive():
+            return False, None
+        try:
+            self.loop  # noqa: B018 - raises if the thread was closed
+            return True, fn()
+        finally:
+            self._end_drive()
+
     def _run(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T],
              timeout: float | None, what: str) -> T:
         if self._try_drive():

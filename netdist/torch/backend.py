@@ -247,6 +247,18 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         op = reduce_op(opts, "allreduce")
         array, staged = self._reduce_view(tensor, "allreduce")
         group, timeout = self._group, self._timeout(opts)
+        if not opts.asyncOp and not self._pending and not staged:
+            # a small blocking all-reduce may finish on this thread through shared memory
+            # without an event-loop iteration (Group.all_reduce_eager)
+            try:
+                held, eager = self._progress.try_call(
+                    lambda: group.all_reduce_eager(array, op, timeout=timeout))
+                if held and eager is not None and eager[0]:
+                    if eager[1] is not None:
+                        self._progress.run(eager[1])
+                    return NetdistWork(ENDED, self._progress, "allreduce", [tensor])
+            except BaseException as exc:  # noqa: BLE001 - a torch error, now
+                raise to_torch_error(exc) from exc
 
         async def body() -> None:
             await group.all_reduce(array, op, timeout=timeout)

@@ -135,6 +135,13 @@ class Transport(abc.ABC):
         """
         return None
 
+    @property
+    def spin_seconds(self) -> float:
+        """How long a wait for a small message may busy-poll before it sleeps (0: never);
+        the TCP transport's ``SpinPolicy`` budget, which the shared-memory lane of small
+        all-reduces uses too. Transports that never poll say 0 (the default)."""
+        return 0.0
+
     def host_keys(self) -> tuple[bytes, ...] | None:
         """Every rank's host key (``netdist.transport.shm.host_key``) in rank order, as
         learnt when the job formed, or ``None`` if this transport does not know them (a

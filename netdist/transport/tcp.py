@@ -479,6 +479,10 @@ class TcpTransport(Transport):
             await asyncio.gather(*(self._links.wait_settled(p, timeout) for p in pending))
         return await super().find_lost_peers(peers, timeout=timeout)
 
+    @property
+    def spin_seconds(self) -> float:
+        return self.spin.seconds
+
     def host_keys(self) -> tuple[bytes, ...] | None:
         """Every rank's host key from the rendezvous table (``None`` if one is missing)."""
         if self.world_size == 1:

@@ -12,7 +12,14 @@ Modes (first argument):
   a second in which rank VICTIM SIGKILLs itself after its first signals, mid-round (with
   single copy, while its peers read its array); survivors report as for ``kill``.
 
-Every mode prints ``MODE <local mode>`` after its first large collective.
+- ``lane ROUNDS``: ROUNDS small all-reduces of changing sizes and values through the
+  group's shared-memory lane (``NETDIST_SPIN_US`` sets how long each polls before it
+  sleeps on a TCP wake-up), each compared exactly; prints ``LANE <has_lane>`` and
+  ``OK rank R``.
+- ``lanekill VICTIM``: a few small all-reduces through the lane, then rank VICTIM
+  SIGKILLs itself instead of joining the next one; survivors report as for ``kill``.
+
+Every mode but the lane's prints ``MODE <local mode>`` after its first large collective.
 """
 
 from __future__ import annotations
@@ -129,6 +136,39 @@ async def shmkill(victim: int) -> None:
         await _large_all_reduce_fails(g, transport.rank)
 
 
+async def lane(rounds: int) -> None:
+    async with init() as transport:
+        async with Group(transport, timeout=30) as g:
+            n, r = g.world_size, g.rank
+            for i in range(rounds):
+                size = 1 + (i * 37) % 2048  # 4 bytes .. 8 KiB, every round a new size
+                values = np.arange(size, dtype=np.int32) + (i * n + r)
+                await g.all_reduce(values)
+                expected = n * np.arange(size, dtype=np.int32) + (i * n * n + n * (n - 1) // 2)
+                if not np.array_equal(values, expected):
+                    _fail(f"lane all_reduce round {i}")
+            print(f"LANE {g.has_lane}", flush=True)
+    print(f"OK rank {r}", flush=True)
+
+
+async def lanekill(victim: int) -> None:
+    async with init() as transport:
+        g = Group(transport, timeout=30)
+        for _ in range(5):
+            await g.all_reduce(np.ones(4, np.float32))
+        print(f"LANE {g.has_lane}", flush=True)
+        if transport.rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        print(f"READY rank {transport.rank}", flush=True)
+        try:
+            await g.all_reduce(np.ones(4, np.float32),
+                               timeout=float(os.environ["MP_OP_TIMEOUT"]))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            print(f"ERROR {type(exc).__name__}: {exc}", flush=True)
+            raise SystemExit(3) from None
+        print("UNEXPECTED success", flush=True)
+
+
 def main() -> None:
     mode = sys.argv[1]
     if mode == "check":
@@ -137,6 +177,10 @@ def main() -> None:
         asyncio.run(kill(int(sys.argv[2])))
     elif mode == "shmkill":
         asyncio.run(shmkill(int(sys.argv[2])))
+    elif mode == "lane":
+        asyncio.run(lane(int(sys.argv[2])))
+    elif mode == "lanekill":
+        asyncio.run(lanekill(int(sys.argv[2])))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

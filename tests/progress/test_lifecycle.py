@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import socket
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,48 @@ def test_a_thread_starts_runs_work_and_is_joined_on_close() -> None:
     assert not progress.running and progress_threads() == []
     with pytest.raises(TransportClosedError):
         progress.submit(loop_running())
+
+
+def test_try_call_runs_on_the_caller_only_while_it_can_hold_the_loop() -> None:
+    caller = threading.current_thread()
+
+    async def noop() -> None:
+        pass
+
+    # a long linger: once a caller has used the loop, the progress thread leaves it alone
+    with ProgressThread(name="netdist-progress-test", linger=JOIN_SECONDS).start() as progress:
+        progress.run(noop())  # the thread ran it and now leaves the loop to callers
+        deadline = time.monotonic() + JOIN_SECONDS
+        held, ran_on = progress.try_call(threading.current_thread)
+        while not held and time.monotonic() < deadline:  # until it has let go of it
+            time.sleep(0)
+            held, ran_on = progress.try_call(threading.current_thread)
+        assert (held, ran_on) == (True, caller)  # the loop is free: it runs here
+
+        async def from_the_loop() -> tuple[bool, Any]:
+            return progress.try_call(lambda: "never")
+
+        assert progress.run(from_the_loop()) == (False, None)
+
+    # the progress thread runs the loop (a submitted operation waits on it): declined
+    with ProgressThread(name="netdist-progress-test").start() as progress:
+        on_progress_thread = threading.Event()
+        release: asyncio.Event | None = None
+
+        async def hold() -> str:
+            nonlocal release
+            release = asyncio.Event()
+            if threading.current_thread() is not caller:
+                on_progress_thread.set()
+            await release.wait()
+            return "held"
+
+        future = progress.submit(hold())
+        assert on_progress_thread.wait(JOIN_SECONDS)
+        assert progress.try_call(lambda: "never") == (False, None)
+        assert release is not None
+        progress.loop.call_soon_threadsafe(release.set)
+        assert future.result(JOIN_SECONDS) == "held"
 
 
 @pytest.mark.parametrize(("choice", "expected"), [(None, "asyncio"), ("auto", "asyncio"),

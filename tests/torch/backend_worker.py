@@ -165,6 +165,8 @@ def main() -> None:
         result = bf16(rank, world)
     elif scenario == "ddp_peer_dies":
         result = ddp_failure(rank, out_dir)
+    elif scenario == "small":
+        result = small(rank)
     with open(os.path.join(out_dir, f"{scenario}-{backend}-{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -185,6 +187,43 @@ def bf16(rank: int, world: int) -> dict[str, Any]:
         for r in range(1, world):
             expected = fold(expected, data(r))
         out[name] = bool(torch.equal(t.view(torch.int16), expected.view(torch.int16)))
+    return out
+
+
+def small(rank: int) -> dict[str, Any]:
+    """Blocking small all-reduces back to back, as a training loop's metrics are: on one
+    host they take the shared-memory lane, most finishing on the calling thread
+    (``Group.all_reduce_eager``, counted here); then sizes that differ by rank."""
+    from netdist.collectives.group import Group
+
+    original = Group.all_reduce_eager
+    started = 0
+
+    def counting(self: Group, *args: Any, **kwargs: Any) -> Any:
+        nonlocal started
+        outcome = original(self, *args, **kwargs)
+        started += outcome[0]
+        return outcome
+
+    Group.all_reduce_eager = counting  # type: ignore[method-assign]
+    sums, maxima, means = [], [], []
+    for i in range(300):
+        t = torch.tensor([rank + i, 2 * i], dtype=torch.int64)
+        dist.all_reduce(t)
+        sums.append(t.tolist())
+        m = torch.tensor([float(rank * i)], dtype=torch.float32)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX)
+        maxima.append(m.item())
+        a = torch.full((3,), float(rank + i), dtype=torch.float64)
+        dist.all_reduce(a, op=dist.ReduceOp.AVG)
+        means.append(a.tolist())
+    out: dict[str, Any] = {"sums": sums, "maxima": maxima, "means": means,
+                           "started": started}
+    try:
+        dist.all_reduce(torch.ones(2 + rank))
+    except Exception as exc:  # noqa: BLE001 - the test checks type and message
+        out["mismatch"] = {"mro": [c.__name__ for c in type(exc).__mro__],
+                           "message": str(exc)}
     return out
 
 

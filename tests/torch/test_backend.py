@@ -78,6 +78,23 @@ def test_every_op_and_dtype_matches_gloo(tmp_path: Path, world: int) -> None:
         assert ours[rank]["all_gather_object"] == [{"rank": r, "name": f"r{r}"} for r in range(n)]
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_blocking_all_reduces_through_the_lane_are_exact(tmp_path: Path,
+                                                              world: int) -> None:
+    results = run_scenario("small", "netdist", world, tmp_path)
+    assert [r.returncode for r in results] == [0] * world, \
+        "\n".join(r.stderr[-3000:] for r in results)
+    n = world
+    for report in _load(tmp_path, "small", "netdist", world):
+        assert report["sums"] == [[n * i + n * (n - 1) // 2, 2 * i * n] for i in range(300)]
+        assert report["maxima"] == [float((n - 1) * i) for i in range(300)]
+        assert report["means"] == [[i + (n + 1) / 2 - 1] * 3 for i in range(300)]
+        assert report["started"] > 0  # some calls finished without an event-loop turn
+        mismatch = report["mismatch"]
+        assert "DistBackendError" in mismatch["mro"], mismatch
+        assert "all_reduce" in mismatch["message"] and "group rank" in mismatch["message"]
+
+
 def test_a_lost_peer_is_a_dist_network_error_naming_it(tmp_path: Path) -> None:
     results = run_scenario("peer_dies", "netdist", 2, tmp_path)
     assert results[1].returncode == 3
