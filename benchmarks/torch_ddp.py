@@ -9,10 +9,14 @@ Every rank is a separate process on 127.0.0.1, started by ``netdist.launcher.lau
 One job = one backend at one world size: it times
 
 ``compute``     the model's step without DDP on every rank at once (forward, backward,
-                SGD step): what the step costs with no communication at all;
+                SGD step);
 ``ddp``         the same step under ``DistributedDataParallel`` (defaults: 25 MB buckets,
                 all-reduce overlapped with backward), split into forward, backward (which
                 includes waiting for the last bucket) and optimizer;
+``no comm``     the DDP step again with a comm hook that sends nothing: DDP's own work
+                (bucketing, copying gradients in and out of buckets) with free
+                communication, so ``no comm / gloo step`` is the best ratio any backend
+                could reach on this machine (printed beside the DDP targets);
 ``all_reduce``  ``dist.all_reduce`` of float32 tensors, back to back, each call timed.
 
 An iteration's time is the slowest rank's; a job reports the median over its iterations.
@@ -26,8 +30,8 @@ The model (default): an MLP ``Linear(1024, 4096) - ReLU - Linear(4096, 4096) - R
 Linear(4096, 1024)``, 25.2 M float32 parameters (101 MB of gradients per step), MSE loss
 on a fixed random batch of 32 rows per rank, SGD (``--widths``, ``--batch`` change it).
 A small batch keeps forward/backward cheap for its size: the step is dominated by moving
-and reducing 101 MB per rank, which DDP overlaps with backward; the ``compute`` column is
-the step without communication, so ``step - compute`` is what communication added.
+and reducing 101 MB per rank, which DDP overlaps with backward; ``step - no comm`` is what
+communication added.
 
 Next to every figure: ``cores``, the CPU time of all ranks over the wall time of the same
 section, and the machine's load average per job. On a host shared with other work both
@@ -128,6 +132,18 @@ def _train_steps(model: Any, batch: tuple[Any, Any], steps: int,
         if i >= warmup:
             times.append([t1 - t0, t2 - t1, t3 - t2])
     return times, losses
+
+
+def _no_communication(state, bucket):  # type: ignore[no-untyped-def]  # noqa: ANN001
+    """A DDP comm hook that hands each bucket back as it is: DDP's own work (bucketing,
+    copies, hooks) with no communication at all (the ``no comm`` column). Unannotated:
+    DDP rejects a ``bucket`` annotation other than ``dist.GradBucket``, which this
+    module imports only in the workers."""
+    import torch
+
+    future: Any = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 def _all_reduce_times(dist: Any, tensor: Any, iters: int, warmup: int) -> list[float]:
@@ -338,6 +354,15 @@ def worker(spec: dict[str, Any]) -> None:
         out["ddp_helpers"] = (cpu - own) / (spec["ddp_steps"] + spec["warmup"])
         out["params"] = sum(p.numel() for p in model.parameters())
         del model
+        if spec["compute_steps"] > 0:
+            # DDP exactly as above but with a comm hook that sends nothing: what the step
+            # would cost if communication were free, for any backend
+            floor_model = DistributedDataParallel(_build_model(spec))
+            floor_model.register_comm_hook(None, _no_communication)
+            dist.barrier()
+            out["floor"], _ = _train_steps(floor_model, batch, spec["ddp_steps"],
+                                           spec["warmup"])
+            del floor_model
 
     out["all_reduce"], out["all_reduce_cpu"] = {}, {}
     for size in spec["sizes"]:
@@ -394,7 +419,7 @@ def run_job(spec: dict[str, Any], n: int, timeout: float,
         profiles = {p.stem.removeprefix("profile_"): p.read_text()
                     for p in sorted(Path(tmp).glob("profile_*.txt"))} if keep_profile else {}
     merged: dict[str, Any] = {"profiles": profiles, "exit_code": code}
-    for key in ("compute", "ddp"):
+    for key in ("compute", "ddp", "floor"):
         if key in ranks[0]:
             # per step: the slowest rank's [fwd, bwd, opt] by total, as measured there
             merged[key] = [max((r[key][i] for r in ranks), key=sum)
@@ -467,8 +492,8 @@ def summarise(rounds: list[dict[tuple[str, int], dict[str, Any] | None]],
     ddp_rows, ar_rows = [], []
     for n in world_sizes:
         per: dict[str, dict[str, list[float]]] = {
-            b: {"step": [], "compute": [], "fwd": [], "bwd": [], "opt": [], "cores": [],
-                "helpers": []}
+            b: {"step": [], "compute": [], "floor": [], "fwd": [], "bwd": [], "opt": [],
+                "cores": [], "helpers": []}
             for b in labels}
         pairs = []
         losses: dict[str, Any] = {}
@@ -484,8 +509,9 @@ def summarise(rounds: list[dict[tuple[str, int], dict[str, Any] | None]],
                 per[b]["step"].append(medians[b])
                 for i, part in enumerate(("fwd", "bwd", "opt")):
                     per[b][part].append(statistics.median(s[i] for s in steps))
-                if job.get("compute"):
-                    per[b]["compute"].append(statistics.median(sum(s) for s in job["compute"]))
+                for key in ("compute", "floor"):
+                    if job.get(key):
+                        per[b][key].append(statistics.median(sum(s) for s in job[key]))
                 per[b]["cores"].append(job["ddp_cores"])
                 per[b]["helpers"].append(job["ddp_helpers"])
                 losses.setdefault(b, job["losses"])
@@ -499,6 +525,11 @@ def summarise(rounds: list[dict[tuple[str, int], dict[str, Any] | None]],
             row[b] = {k: _median(v) for k, v in per[b].items()}
         step_c, step_b = row[cand]["step"], row[base]["step"]
         row["ratio"] = step_c / step_b if step_c and step_b else None
+        floors = [row[b]["floor"] for b in labels if row[b]["floor"]]
+        # the best ratio any backend could reach: DDP with no communication against the
+        # baseline's step (both jobs measure the floor; they differ only by noise)
+        row["floor_ratio"] = (statistics.mean(floors) / step_b
+                              if floors and step_b else None)
         row["round_ratios"] = [a / b for a, b in pairs]
         row["losses_equal"] = row["losses_max_rel_diff"] = None
         if len(losses) == 2:
@@ -545,10 +576,13 @@ def judge(summary: dict[str, Any]) -> list[dict[str, Any]]:
     for row in summary["ddp"]:
         limit = DDP_TARGETS.get(row["world_size"])
         if limit is not None and row["ratio"] is not None:
+            floor = row.get("floor_ratio")
             targets.append({"name": f"DDP step time, {row['world_size']} ranks: netdist / "
                                     f"gloo <= {limit:g}",
                             "value": row["ratio"], "limit": limit,
                             "pass": row["ratio"] <= limit,
+                            "note": "" if floor is None else
+                            f" (with no communication at all: {floor:.2f}x)",
                             "profile": (row["world_size"], "ddp")})
     for row in summary["all_reduce"]:
         if row["world_size"] != 2 or row["time_ratio"] is None:
@@ -575,11 +609,12 @@ def print_tables(summary: dict[str, Any], labels: tuple[str, str], spec: dict[st
     widths = spec["widths"]
     print(f"\n# DDP step: MLP {' - '.join(str(w) for w in widths)} (ReLU between), "
           f"batch {spec['batch']} per rank, SGD; median over {rounds} rounds of the per-round "
-          f"median of {spec['ddp_steps']} steps (slowest rank per step); cores: CPU time "
+          f"median of {spec['ddp_steps']} steps (slowest rank per step); compute: the same "
+          "steps without DDP; no comm: DDP with a comm hook that sends nothing; cores: CPU time "
           f"of all ranks / wall time over the DDP steps ({cores} available); helpers: CPU "
           "per step per rank of the threads other than the training thread")
     print(f"# {'ranks':>5} {'params':>7} {'backend':>9} {'step':>10} {'compute':>10} "
-          f"{'fwd':>10} {'bwd+comm':>10} {'opt':>10} {'cores':>6} {'helpers':>10} {'ratio':>7} "
+          f"{'no comm':>10} {'fwd':>10} {'bwd+comm':>10} {'opt':>10} {'cores':>6} {'helpers':>10} {'ratio':>7} "
           f"{'per round':>11}  same losses")
     for row in summary["ddp"]:
         for i, b in enumerate(labels):
@@ -592,7 +627,8 @@ def print_tables(summary: dict[str, Any], labels: tuple[str, str], spec: dict[st
                     "bitwise" if row["losses_equal"] else
                     f"no, rel {row['losses_max_rel_diff']:.1e}") if i == 0 else ""
             print(f"  {row['world_size']:>5} {params:>7} {b:>9} {_fmt_time(r['step']):>10} "
-                  f"{_fmt_time(r['compute']):>10} {_fmt_time(r['fwd']):>10} "
+                  f"{_fmt_time(r['compute']):>10} {_fmt_time(r['floor']):>10} "
+                  f"{_fmt_time(r['fwd']):>10} "
                   f"{_fmt_time(r['bwd']):>10} {_fmt_time(r['opt']):>10} "
                   f"{_fmt_cores(r['cores']):>6} {_fmt_time(r['helpers']):>10} {ratio:>7} "
                   f"{spread:>11}  {same}")
@@ -628,7 +664,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32, help="rows per rank per step")
     parser.add_argument("--steps", type=int, default=10, help="timed DDP steps per job")
     parser.add_argument("--compute-steps", type=int, default=3,
-                        help="timed steps without DDP per job, after one untimed (0: skip)")
+                        help="timed steps without DDP per job, after one untimed (0: skip "
+                             "them and the no-comm DDP steps)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed DDP steps / all_reduce calls per job")
     parser.add_argument("--latency-iters", type=int, default=1000,
@@ -722,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for target in targets:
         print(f"{'PASS' if target['pass'] else 'MISS'}  {target['name']}: "
-              f"{target['value']:.2f}x", flush=True)
+              f"{target['value']:.2f}x{target.get('note', '')}", flush=True)
     failed = [(b, n) for rnd in rounds for (b, n), job in rnd.items() if job is None]
     if failed:
         print(f"# failed jobs: {sorted(set(failed))}", flush=True)

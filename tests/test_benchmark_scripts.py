@@ -68,6 +68,7 @@ def test_torch_ddp_quick_runs_both_backends(tmp_path: Path) -> None:
     assert ddp["world_size"] == 2 and ddp["rounds"] == 1 and ddp["losses_equal"] is True
     for backend in ("netdist", "gloo"):
         assert ddp[backend]["step"] > 0 and ddp[backend]["compute"] > 0
+        assert ddp[backend]["floor"] > 0  # DDP with a comm hook that sends nothing
         assert ddp[backend]["helpers"] > 0  # netdist's progress thread, Gloo's threads
     assert [(row["world_size"], row["size"]) for row in result["all_reduce"]] == [
         (2, 8), (2, 1024 * 1024)]
@@ -77,6 +78,7 @@ def test_torch_ddp_quick_runs_both_backends(tmp_path: Path) -> None:
     assert names == ["DDP step time, 2 ranks: netdist / gloo <= 0.8",
                      "all_reduce 8 B latency, 2 ranks: netdist / gloo <= 0.5"]
     assert sum(line.startswith(("PASS  ", "MISS  ")) for line in done.stdout.splitlines()) == 2
+    assert 0 < ddp["floor_ratio"] and "with no communication at all" in done.stdout
 
 
 def test_scale_runs_small_jobs_and_judges_its_targets(tmp_path: Path) -> None:
