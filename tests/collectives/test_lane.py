@@ -10,8 +10,6 @@ polling and with the tightest poll that still arms, and a peer is SIGKILLed mid-
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import time
 
 import numpy as np
@@ -32,7 +30,7 @@ from netdist.transport import InProcessTransport
 from netdist.transport.shm import SharedSegment
 from netdist.types import ReduceOp, combine
 
-from .helpers import assert_bitwise_equal
+from .helpers import assert_bitwise_equal, assert_survivors_failed_naming
 from tests.ranks import RankProcess, finish_ranks, run_ranks, start_ranks, start_until_blocked
 
 pytestmark = pytest.mark.skipif(not lane_supported(), reason="the lane is x86-64 only")
@@ -274,15 +272,7 @@ def test_sigkill_of_a_lane_peer_fails_the_survivors_naming_it(data_path: str) ->
     started = time.monotonic()
     results = [(r.returncode, r.stdout) for r in finish_ranks(
         _spawn(n, ["lanekill", str(victim)], MP_OP_TIMEOUT=str(op_timeout)), timeout=90)]
-    code, out = results[victim]
-    assert code == -9, f"victim should have been SIGKILLed:\n{out}"
-    for rank, (code, out) in enumerate(results):
+    assert_survivors_failed_naming(results, victim)
+    for _, out in results:
         assert f"LANE {_lane_expected(data_path)}" in out, out
-        if rank == victim:
-            continue
-        assert code == 3, f"rank {rank} did not fail as expected ({code}):\n{out}"
-        error = next(line for line in out.splitlines() if line.startswith("ERROR"))
-        assert "all_reduce" in error and f"rank {victim}" in error, error
-        assert "PeerLostError" in error or "NetdistTimeoutError" in error, error
     assert time.monotonic() - started < op_timeout + 45
-    assert sys.platform.startswith("linux") and os.path.isdir("/proc")
