@@ -26,6 +26,8 @@ import numpy as np
 __all__ = [
     "thread_safe",
     "THREAD_SAFE_ATTRIBUTE",
+    "EAGER_ATTRIBUTE",
+    "eager_start",
     "ReduceOp",
     "WIRE_DTYPES",
     "dtype_to_wire",
@@ -320,6 +322,9 @@ def divide_into(array: np.ndarray, divisor: int) -> None:
 THREAD_SAFE_ATTRIBUTE = "__netdist_thread_safe__"
 """Set on methods that may be called from any thread (see ``thread_safe``)."""
 
+EAGER_ATTRIBUTE = "__netdist_eager__"
+"""Set on coroutine methods that have an eager companion (see ``eager_start``)."""
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -332,3 +337,19 @@ def thread_safe(fn: _F) -> _F:
     """
     setattr(fn, THREAD_SAFE_ATTRIBUTE, True)
     return fn
+
+
+def eager_start(companion: str) -> Callable[[_F], _F]:
+    """Mark a coroutine method whose blocking calls may start on the caller's thread.
+
+    ``companion`` names a plain method of the same object taking the same arguments,
+    which the blocking API (``netdist.progress``) calls first, holding the event loop
+    (``ProgressThread.try_call``): it returns ``None`` having done nothing (the coroutine
+    then runs as usual) or an ``EagerStart`` (``netdist.collectives.work``), the call
+    begun, and possibly finished, without an event-loop iteration.
+    """
+    def mark(fn: _F) -> _F:
+        setattr(fn, EAGER_ATTRIBUTE, companion)
+        return fn
+
+    return mark

@@ -72,7 +72,7 @@ tasks are cancelled and awaited before the error propagates.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -121,7 +121,7 @@ from netdist.collectives.small import (
     tree_broadcast_blob,
     tree_reduce,
 )
-from netdist.collectives.work import Work
+from netdist.collectives.work import EagerStart, Work
 from netdist.errors import (
     CollectiveError,
     LocalProtocolError,
@@ -140,6 +140,7 @@ from netdist.types import (
     check_reduce_dtype,
     divide_into,
     dtype_to_wire,
+    eager_start,
 )
 
 if TYPE_CHECKING:
@@ -629,6 +630,7 @@ class Group:
     async def all_reduce(self, array: ArrayT, op: ReduceOp | str = ReduceOp.SUM, *,
                          timeout: float | None = None,
                          async_op: bool) -> ArrayT | Work: ...
+    @eager_start("all_reduce_eager")
     async def all_reduce(self, array: np.ndarray | Tensor, op: ReduceOp | str = ReduceOp.SUM, *,
                          timeout: float | None = None, async_op: bool = False) -> Any:
         """Reduce ``array`` over all ranks, in place; returns ``array`` (or a ``Work``).
@@ -674,26 +676,29 @@ class Group:
 
         return await self._submit("all_reduce", body, timeout, async_op)
 
-    def all_reduce_eager(self, array: np.ndarray, op: ReduceOp | str = ReduceOp.SUM, *,
-                         timeout: float | None = None
-                         ) -> tuple[bool, Coroutine[Any, Any, None] | None]:
+    def all_reduce_eager(self, array: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                         timeout: float | None = None,
+                         async_op: bool = False) -> EagerStart | None:
         """Start a small all-reduce of ``array`` in place on this thread, without the
         event loop: for a blocking caller that holds the loop (``ProgressThread.try_call``),
         where a loop iteration costs more than the all-reduce itself.
 
-        It runs only where the group's lane is set up, no earlier small all-reduce is
-        pending and ``array`` is a writeable C-contiguous NumPy array of at most
-        ``LANE_BYTES``; otherwise it returns ``(False, None)`` having done nothing, and
-        the caller uses ``all_reduce``. Started, it returns ``(True, None)`` if the call
-        finished here (every peer was already there or arrived within the spin budget),
-        or ``(True, rest)``: a coroutine the caller must run on the loop, which finishes
-        the call under its deadline with ``all_reduce``'s errors.
+        It takes ``all_reduce``'s arguments and runs only for a blocking call where the
+        group's lane is set up, no earlier small all-reduce is pending and ``array`` is a
+        writeable C-contiguous NumPy array of at most ``LANE_BYTES``; otherwise it
+        returns ``None`` having done nothing, and the caller uses ``all_reduce``. Started,
+        it returns an ``EagerStart`` whose ``rest`` is ``None`` if the call finished here
+        (every peer was already there or arrived within the spin budget), or a coroutine
+        the caller must run on the loop, which finishes the call under its deadline with
+        ``all_reduce``'s errors. The blocking API calls it for ``all_reduce``
+        (``eager_start``).
         """
         lane = self._lane.lane
-        if (lane is None or self._closed or self._rank < 0 or not self._lane.idle
-                or not isinstance(array, np.ndarray) or not array.flags.c_contiguous
-                or not array.flags.writeable or not 0 < array.nbytes <= LANE_BYTES):
-            return False, None
+        if (lane is None or async_op or self._closed or self._rank < 0
+                or not self._lane.idle or not isinstance(array, np.ndarray)
+                or not array.flags.c_contiguous or not array.flags.writeable
+                or not 0 < array.nbytes <= LANE_BYTES):
+            return None
         op = _as_op(op)
         check_reduce_dtype(op, array.dtype, "all_reduce")
         deadline = _timeout_value(timeout, "timeout")
@@ -714,7 +719,7 @@ class Group:
             raise
         if rnd.settled:
             self._lane.done(ticket)
-            return True, None
+            return EagerStart(array, None)
 
         async def rest(chan: Channel) -> None:
             try:
@@ -724,7 +729,7 @@ class Group:
             if op is ReduceOp.MEAN:
                 divide_into(flat, n)
 
-        return True, self._run(chan, rest)
+        return EagerStart(array, self._run(chan, rest))
 
     @overload
     async def reduce_scatter(self, array: ArrayT, op: ReduceOp | str = ReduceOp.SUM, *,

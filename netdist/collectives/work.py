@@ -11,12 +11,24 @@ the handle lets the caller overlap computation and collect the result later::
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator
+from collections.abc import Coroutine, Generator
+from dataclasses import dataclass
 from typing import Any
 
 from netdist.errors import NetdistTimeoutError
 
-__all__ = ["Work"]
+__all__ = ["Work", "EagerStart"]
+
+
+@dataclass(frozen=True)
+class EagerStart:
+    """A collective begun on the caller's thread without the event loop
+    (``Group.all_reduce_eager``)."""
+
+    result: Any
+    """What the collective returns, once ``rest`` (if any) has run."""
+    rest: Coroutine[Any, Any, None] | None
+    """The part that has to wait, to run on the loop; ``None``: the call has finished."""
 
 
 class Work:

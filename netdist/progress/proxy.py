@@ -17,7 +17,10 @@ asyncio one; this proxy only decides where it runs and how the caller waits:
   hands the real group to the real coroutine;
 - ``with proxy:`` closes the object (``aclose()``) on exit;
 - a method marked ``@thread_safe`` (it hands its work to the loop itself, like
-  ``OverlapSession.ready``) is called directly from the caller's thread.
+  ``OverlapSession.ready``) is called directly from the caller's thread;
+- a blocking call of a coroutine method marked ``@eager_start`` (``Group.all_reduce``)
+  first tries its companion on the caller's thread while it holds the loop: a small
+  all-reduce on one host usually finishes there, without an event-loop iteration.
 
 ``Awaiting(obj, progress)`` is the same for asyncio callers who want the progress thread:
 every method returns an awaitable that runs the operation on the progress thread, so
@@ -34,7 +37,7 @@ from types import TracebackType
 from typing import Any
 
 from netdist.collectives.work import Work
-from netdist.types import THREAD_SAFE_ATTRIBUTE
+from netdist.types import EAGER_ATTRIBUTE, THREAD_SAFE_ATTRIBUTE
 from netdist.progress.handle import Handle
 from netdist.progress.thread import ProgressThread
 
@@ -111,9 +114,19 @@ class _Proxy:
         progress = self._progress
         flavor = self._FLAVOR
 
+        companion = getattr(fn, EAGER_ATTRIBUTE, None)
+        eager = (getattr(self._target, companion)
+                 if companion is not None and flavor is _Flavor.BLOCKING else None)
+
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             args, kwargs = unwrap_arguments(args, kwargs)
+            if eager is not None and not kwargs.get("async_op"):
+                held, started = progress.try_call(functools.partial(eager, *args, **kwargs))
+                if held and started is not None:  # begun here, without a loop iteration
+                    if started.rest is not None:
+                        progress.run(started.rest)
+                    return self._wrap_result(started.result)
             coro = _resolved(fn(*args, **kwargs))
             if flavor is _Flavor.BLOCKING and not kwargs.get("async_op"):
                 return self._wrap_result(progress.run(coro))

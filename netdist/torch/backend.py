@@ -253,9 +253,9 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             try:
                 held, eager = self._progress.try_call(
                     lambda: group.all_reduce_eager(array, op, timeout=timeout))
-                if held and eager is not None and eager[0]:
-                    if eager[1] is not None:
-                        self._progress.run(eager[1])
+                if held and eager is not None:
+                    if eager.rest is not None:
+                        self._progress.run(eager.rest)
                     return NetdistWork(ENDED, self._progress, "allreduce", [tensor])
             except BaseException as exc:  # noqa: BLE001 - a torch error, now
                 raise to_torch_error(exc) from exc

@@ -92,3 +92,35 @@ def test_blocking_results_equal_the_asyncio_api_bit_for_bit(n: int) -> None:
         for index, (a, b) in enumerate(zip(got[rank], expected[rank], strict=True)):
             assert a == b, f"rank {rank}, step {index} ({script(rank, n)[index][0]}) differs"
     assert progress_threads() == []
+
+
+def test_small_blocking_all_reduces_start_on_the_callers_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On one host a blocking small all-reduce begins on the caller's thread (its
+    ``eager_start`` companion, while the caller holds the loop); results stay exact,
+    including those that had to finish on the loop, and with ``MEAN``."""
+    started: list[bool] = []
+    original = Group.all_reduce_eager
+
+    def counting(self: Group, *args: Any, **kwargs: Any) -> Any:
+        outcome = original(self, *args, **kwargs)
+        started.append(outcome is not None)  # list.append: safe from every rank's thread
+        return outcome
+
+    monkeypatch.setattr(Group, "all_reduce_eager", counting)
+
+    def rank_body(job: Any) -> list[Any]:
+        out = []
+        for i in range(200):
+            data = np.array([job.rank + i, 3 * i], np.int64)
+            result = job.group.all_reduce(data)
+            assert result is data  # in place, as the coroutine path returns it
+            mean = job.group.all_reduce(np.full(3, float(job.rank + i)), ReduceOp.MEAN)
+            out.append((data.tolist(), mean.tolist()))
+        return out
+
+    with jobs_of(2) as jobs:
+        results = on_every_rank(jobs, rank_body)
+    for got in results:
+        assert got == [([2 * i + 1, 6 * i], [i + 0.5] * 3) for i in range(200)]
+    assert any(started)
