@@ -696,9 +696,9 @@ class Group:
         lane = self._lane.lane
         if (lane is None or async_op or self._closed or self._rank < 0
                 or not self._lane.idle or not isinstance(array, np.ndarray)
-                or not array.flags.c_contiguous or not array.flags.writeable
-                or not 0 < array.nbytes <= LANE_BYTES):
-            return None
+                or array.dtype not in _WIRE_DTYPE_SET or not array.flags.c_contiguous
+                or not array.flags.writeable or not 0 < array.nbytes <= LANE_BYTES):
+            return None  # all_reduce itself runs it, or raises what is wrong
         op = _as_op(op)
         check_reduce_dtype(op, array.dtype, "all_reduce")
         deadline = _timeout_value(timeout, "timeout")

@@ -124,3 +124,21 @@ def test_small_blocking_all_reduces_start_on_the_callers_thread(
     for got in results:
         assert got == [([2 * i + 1, 6 * i], [i + 0.5] * 3) for i in range(200)]
     assert any(started)
+
+
+def test_what_all_reduce_refuses_the_eager_start_leaves_to_it() -> None:
+    def rank_body(job: Any) -> list[Any]:
+        job.group.all_reduce(np.ones(2))  # the group's lane is set up from here on
+        group = job.group.target
+        refused = (np.ones(2, np.complex64),  # no wire dtype: all_reduce raises
+                   np.ones(2, ">f4"),  # big-endian: all_reduce raises
+                   np.ones(4)[::2],  # not contiguous: all_reduce copies
+                   np.ones(0))  # empty: nothing to reduce
+        declined = [group.all_reduce_eager(array) for array in refused]
+        with pytest.raises(TypeError, match="not supported on the wire"):
+            job.group.all_reduce(np.ones(2, np.complex64))
+        assert group.has_lane is True
+        return declined
+
+    with jobs_of(2) as jobs:
+        assert on_every_rank(jobs, rank_body) == [[None] * 4] * 2
