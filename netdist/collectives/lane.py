@@ -66,7 +66,7 @@ from netdist.collectives.turns import TurnQueue
 from netdist.errors import SharedMemoryError
 from netdist.transport.mailbox import byte_view
 from netdist.transport.shm import SharedSegment
-from netdist.types import ReduceOp, combine
+from netdist.types import ReduceOp, combine, dtype_to_wire
 
 __all__ = ["HostLane", "LaneRound", "LanePath", "LANE_BYTES", "SUB_LANE_WAKE", "lane_supported",
            "open_host_lane"]
@@ -265,16 +265,17 @@ class HostLane:
                 name = bytes(code).rstrip(b"\0").decode("ascii", "replace")
                 raise CollectiveMismatchError(
                     f"{what}: group rank {p} contributed {theirs} bytes of "
-                    f"{_describe(name)} but group rank {self.rank} has {size} bytes of "
-                    f"{_describe(dtype.str)}; every rank must pass the same shape and dtype")
+                    f"{_wire_name(name)} but group rank {self.rank} has {size} bytes of "
+                    f"{dtype_to_wire(dtype)}; every rank must pass the same shape and dtype")
 
 
-def _describe(dtype_str: str) -> str:
+def _wire_name(dtype_str: str) -> str:
+    """The wire name (``float32``, ``bfloat16``) of a peer's header dtype, or the raw
+    text if it names none."""
     try:
-        dtype = np.dtype(dtype_str)
+        return dtype_to_wire(np.dtype(dtype_str))
     except TypeError:
         return repr(dtype_str)
-    return "bfloat16" if dtype.kind == "V" and dtype.itemsize == 2 else dtype.name
 
 
 async def open_host_lane(chan: Channel, enabled: bool) -> HostLane | None:
@@ -283,9 +284,10 @@ async def open_host_lane(chan: Channel, enabled: bool) -> HostLane | None:
 
     Without messages (beyond learning the host keys, when the transport does not know
     them) when the answer is the same everywhere: the ranks are not all on this host, or
-    its processor orders memory too weakly. Otherwise the group's lowest rank creates the segment, the others attach, and
-    one exchange agrees: any rank with shared memory off or a failed attach puts the
-    group's small all-reduces on TCP (said once, as for large collectives).
+    its processor orders memory too weakly. Otherwise the group's lowest rank creates
+    the segment, the others attach, and one exchange agrees: any rank with shared memory
+    off or a failed attach puts the group's small all-reduces on TCP (said once, as for
+    large collectives).
     """
     layout = await host_layout(chan, enabled)
     if layout.mode is not LocalMode.SINGLE_HOST or not lane_supported():

@@ -36,12 +36,12 @@ from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any
 
-from netdist.collectives.work import Work
+from netdist.collectives.work import EagerStart, Work
 from netdist.types import EAGER_ATTRIBUTE, THREAD_SAFE_ATTRIBUTE
 from netdist.progress.handle import Handle
 from netdist.progress.thread import ProgressThread
 
-__all__ = ["Blocking", "Awaiting", "unwrap", "unwrap_arguments"]
+__all__ = ["Blocking", "Awaiting", "run_eager", "unwrap", "unwrap_arguments"]
 
 
 class _Flavor(enum.Enum):
@@ -122,10 +122,8 @@ class _Proxy:
         def call(*args: Any, **kwargs: Any) -> Any:
             args, kwargs = unwrap_arguments(args, kwargs)
             if eager is not None and not kwargs.get("async_op"):
-                held, started = progress.try_call(functools.partial(eager, *args, **kwargs))
-                if held and started is not None:  # begun here, without a loop iteration
-                    if started.rest is not None:
-                        progress.run(started.rest)
+                started = run_eager(progress, functools.partial(eager, *args, **kwargs))
+                if started is not None:  # begun here, without a loop iteration
                     return self._wrap_result(started.result)
             coro = _resolved(fn(*args, **kwargs))
             if flavor is _Flavor.BLOCKING and not kwargs.get("async_op"):
@@ -173,6 +171,19 @@ async def _close(target: Any) -> None:
         result = closer()
         if inspect.isawaitable(result):
             await result
+
+
+def run_eager(progress: ProgressThread,
+              start: Callable[[], EagerStart | None]) -> EagerStart | None:
+    """Call an eager companion (``start``, e.g. ``Group.all_reduce_eager``) on this thread
+    while it holds the loop, and run whatever it left to finish on the loop. ``None``:
+    the loop was not free or the companion declined; the caller runs the coroutine."""
+    held, started = progress.try_call(start)
+    if not held or started is None:
+        return None
+    if started.rest is not None:
+        progress.run(started.rest)
+    return started
 
 
 def unwrap(value: Any) -> Any:

@@ -36,6 +36,7 @@ from torch.distributed import distributed_c10d as c10d
 from netdist.collectives.group import Group
 from netdist.errors import CollectiveMismatchError, NetdistTimeoutError, PeerLostError
 from netdist.progress.job import Job
+from netdist.progress.proxy import run_eager
 from netdist.torch.errors import to_torch_error
 from netdist.torch.tensors import Staged, ViewCache, as_array, as_bytes, check_cpu, stage
 from netdist.torch.work import ENDED, NetdistWork
@@ -251,11 +252,8 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             # a small blocking all-reduce may finish on this thread through shared memory
             # without an event-loop iteration (Group.all_reduce_eager)
             try:
-                held, eager = self._progress.try_call(
-                    lambda: group.all_reduce_eager(array, op, timeout=timeout))
-                if held and eager is not None:
-                    if eager.rest is not None:
-                        self._progress.run(eager.rest)
+                if run_eager(self._progress, lambda: group.all_reduce_eager(
+                        array, op, timeout=timeout)) is not None:
                     return NetdistWork(ENDED, self._progress, "allreduce", [tensor])
             except BaseException as exc:  # noqa: BLE001 - a torch error, now
                 raise to_torch_error(exc) from exc
