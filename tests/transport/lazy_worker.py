@@ -6,7 +6,7 @@ exit code 0 means the expected outcome.
 
 Modes:
   ring N        print "STARTUP <rank> <peers>" (connections held right after start-up),
-                run one ring all-reduce of N float64 on the transport (each rank sends
+                wait for a line on stdin (every rank has counted), run one ring all-reduce of N float64 on the transport (each rank sends
                 only to its right neighbour and receives only from its left one), check
                 the sum exactly, print "PEERS <rank> <peers>" (connections held after it;
                 peers comma-separated, "-" for none), then wait for a line on stdin
@@ -57,6 +57,9 @@ async def ring(size: int) -> int:
     async with init() as transport:
         rank, n = transport.rank, transport.world_size
         print(f"STARTUP {rank} {peers_text(transport.connected_peers())}", flush=True)
+        # start the ring only once every rank has counted: a neighbour already in the
+        # ring would dial this rank while its rendezvous is still finishing
+        await asyncio.to_thread(sys.stdin.readline)
         data = np.arange(size, dtype=np.float64) + rank
         await ring_all_reduce(transport, data, tag=1)
         expected = n * np.arange(size, dtype=np.float64) + n * (n - 1) / 2
