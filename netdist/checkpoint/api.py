@@ -31,8 +31,10 @@ from typing import Any
 import numpy as np
 
 from netdist.checkpoint.commit import (
+    CommitOutcome,
     commit_step,
     create_staging,
+    ensure_root,
     metadata_generation,
     os_errors,
     step_generation,
@@ -308,7 +310,11 @@ def save_distributed(state_dict: Any, dir: str | os.PathLike[str], rank: int,
     Without a group, ranks cannot tell a peer's file left by a crashed earlier attempt at
     the same step from a fresh one; pass the same ``run_id`` (e.g. a job id) on every
     rank to tell attempts apart, or use the collective ``save``. An OS error (full disk,
-    too many open files) raises ``CheckpointError`` naming the rank and the file.
+    too many open files) raises ``CheckpointError`` naming the rank and the file, and
+    nothing is committed; a ``dir`` that is a file (or lies under one) raises
+    ``CheckpointError`` saying it is not a directory. After the commit point a ``latest``
+    that cannot be rewritten or an old checkpoint that cannot be deleted does not fail
+    the save: the committing rank's result reports it (``latest_updated``, ``warnings``).
     """
     started = time.perf_counter()
     check_rank(rank, world_size)
@@ -337,7 +343,7 @@ def write_share(share: PreparedShare, dir: str | os.PathLike[str], rank: int,
     final = root / step_dir_name(step) if step is not None else root
     with os_errors(rank, f"prepare checkpoint {final}"):
         if step is None:
-            root.mkdir(parents=True, exist_ok=True)
+            ensure_root(root)
             generation = metadata_generation(root) + 1
             directory = root
         else:
@@ -347,6 +353,7 @@ def write_share(share: PreparedShare, dir: str | os.PathLike[str], rank: int,
     record, found = _write_share(directory, rank, world_size, specs, writers, arrays,
                                  generation, run_id, final, summary)
     committed = len(found) == world_size
+    outcome = CommitOutcome(committed=False)
     if committed:
         metadata = ShardMetadata(
             num_ranks=world_size, tensor_specs=specs,
@@ -358,10 +365,12 @@ def write_share(share: PreparedShare, dir: str | os.PathLike[str], rank: int,
             if step is None:
                 write_bytes_atomic(root / METADATA_FILE, metadata.dumps().encode("utf-8"))
             else:
-                committed = commit_step(root, directory, metadata, keep_last=keep_last,
-                                        exclusive=True)
+                outcome = commit_step(root, directory, metadata, keep_last=keep_last,
+                                      exclusive=True)
+                committed = outcome.committed
     return SaveResult(final, rank, final / record.name, record.size, committed, step,
-                      time.perf_counter() - started)
+                      time.perf_counter() - started, latest_updated=outcome.latest_updated,
+                      warnings=outcome.warnings)
 
 
 # --------------------------------------------------------------------------- reading

@@ -28,7 +28,9 @@ written once, partly overlapping ones as one region (:mod:`netdist.checkpoint.vi
   ``result()`` raise it; an OS error as ``CheckpointError`` naming the rank and the
   file); the next save proceeds normally. With ``step=N`` a failed or killed save
   leaves the previous checkpoint of every step loadable (staging and commit by rename,
-  :mod:`netdist.checkpoint.commit`).
+  :mod:`netdist.checkpoint.commit`). Once the checkpoint is committed the future
+  succeeds: a ``latest`` that could not be rewritten or an old checkpoint that could not
+  be rotated away is reported in its ``SaveResult`` (``latest_updated``, ``warnings``).
 """
 
 from __future__ import annotations

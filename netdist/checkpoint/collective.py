@@ -22,10 +22,13 @@ itself, its crash points and the recovery rules are in :mod:`netdist.checkpoint.
    just after - then rewrites ``latest`` and rotates to ``keep_last``; a
    ``broadcast_object`` tells everyone.
 
-A failure on any rank (bad input, full disk, too many open files) is reported on every
-rank, naming the rank(s), their errors and, for OS errors, the file; nothing is
-committed and the previous checkpoint of every step stays as it was. A SIGKILL at any
-moment has the same effect, or leaves the new checkpoint committed.
+A failure on any rank before the commit point (bad input, full disk, too many open
+files) is reported on every rank, naming the rank(s), their errors and, for OS errors,
+the file; nothing is committed and the previous checkpoint of every step stays as it
+was. A failure after it (``latest`` or rotation, e.g. a disk that filled up just then)
+does not fail the save: every rank's ``SaveResult`` says what was skipped
+(``latest_updated``, ``warnings``) and rank 0 logs it. A SIGKILL at any moment leaves
+the previous checkpoint or the new one committed.
 
 Per-rank plain values (policy on a world-size change): values that are equal on every
 rank (step, epoch, param groups, a shared RNG) are stored once and every rank of any
@@ -59,7 +62,7 @@ import numpy as np
 
 from netdist import errors
 from netdist.checkpoint.commit import (commit_step, create_staging, describe_os_error,
-                                       os_errors, tidy_root)
+                                       ensure_root, os_errors, tidy_root)
 from netdist.checkpoint.dtypes import dtype_name
 from netdist.checkpoint.group_like import GroupLike
 from netdist.checkpoint.metadata import (
@@ -145,7 +148,7 @@ def _prepare_root(root: Path, step: int | None, overwrite: bool) -> tuple[int, s
     """Rank 0, before anyone writes: recover and clean up after crashed saves, pick the
     step, create its staging directory; returns the step and the staging name."""
     with os_errors(0, f"prepare checkpoint root {root}"):
-        root.mkdir(parents=True, exist_ok=True)
+        ensure_root(root)
         scan = tidy_root(root)
     newest = scan.newest()
     if step is None:
@@ -212,7 +215,10 @@ async def save(state: Any, dir: str | os.PathLike[str], group: GroupLike, *,
     each collective step. ``group`` is a :class:`netdist.Group` or anything else
     :class:`GroupLike`. Returns this rank's :class:`SaveResult`; raises
     ``CheckpointError`` (or a subclass) on every rank if any rank fails (an OS error
-    names the rank and the file), and then nothing is committed. Cancelling (or a
+    names the rank and the file; a ``dir`` that is a file says it is not a directory),
+    and then nothing is committed. Once the checkpoint is committed it returns: a
+    ``latest`` that could not be rewritten or an old checkpoint that could not be
+    rotated away is in the result's ``latest_updated`` / ``warnings``. Cancelling (or a
     timeout) before the commit leaves a hidden staging directory, which is never loaded
     and is removed by the next save (a shard write already running in its thread
     completes in the background).
@@ -285,8 +291,11 @@ async def save(state: Any, dir: str | os.PathLike[str], group: GroupLike, *,
                 step=chosen, writers=writers,
                 files=tuple(FileRecord.from_json(m) for m in manifests), state=layout)
             with os_errors(rank, f"commit checkpoint {final}"):
-                await asyncio.to_thread(commit_step, root, staging, metadata,
-                                        keep_last=keep_last, exclusive=False)
+                outcome = await asyncio.to_thread(commit_step, root, staging, metadata,
+                                                  keep_last=keep_last, exclusive=False)
+            # committed: what the housekeeping after the commit skipped goes to every rank
+            status = {"ok": True, "latest_updated": outcome.latest_updated,
+                      "warnings": list(outcome.warnings)}
         except Exception as exc:
             local_error = exc
             status = _describe(exc)
@@ -295,7 +304,9 @@ async def save(state: Any, dir: str | os.PathLike[str], group: GroupLike, *,
     if record is None:  # pragma: no cover - every path without a record raised above
         raise CheckpointError("no shard file was written")
     return SaveResult(final, rank, final / rank_file_name(rank), record.size,
-                      rank == 0, chosen, time.perf_counter() - started)
+                      rank == 0, chosen, time.perf_counter() - started,
+                      latest_updated=bool(status.get("latest_updated", False)),
+                      warnings=tuple(str(w) for w in status.get("warnings", ())))
 
 
 # --------------------------------------------------------------------------- load

@@ -33,12 +33,23 @@ next save renames it back; staging directories are never read and are deleted by
 next save. Every other step is untouched at every point. Per-rank saves, where two
 ranks may finish together, commit under :func:`root_lock`.
 
+The commit point is COMMITTED: the rename of a staging directory holding a durable
+``metadata.json`` to ``step_N``, made durable by an fsync of the root. An error before
+it (a full disk while a rank file or ``metadata.json`` is written, a failing rename)
+fails the save and commits nothing. What follows it - deleting the aside, rewriting
+``latest``, rotating to ``keep_last``, removing crash leftovers - is housekeeping: an
+error there (``ENOSPC`` creating ``latest``'s temporary file, a checkpoint that cannot
+be deleted) does not undo or fail the save. :func:`commit_step` logs a warning on the
+``netdist.checkpoint`` logger naming what was skipped (the path and the OS error) and
+returns it in :class:`CommitOutcome`, which the saves pass on in their ``SaveResult``
+(``latest_updated``, ``warnings``); the next save retries all of it.
+
 The newest complete step - what ``load`` resumes from and what ``save(step=None)``
 counts from - is the highest ``N`` whose checkpoint is committed (or recoverable from an
 aside), read from the directories themselves. ``latest`` is rewritten after every
 commit to name that step for people and outside tools, but netdist never trusts it:
-a crash between a commit and the update of ``latest`` leaves it one step behind, and a
-restarted job must still resume from the newest step.
+a crash between a commit and the update of ``latest``, or a skipped update, leaves it
+one step behind, and a restarted job must still resume from the newest step.
 
 Testing hook: when the environment variable ``NETDIST_CHECKPOINT_FAILPOINT`` names a
 point (``"committed"``, ...), the process that reaches it SIGKILLs itself there, so
@@ -51,6 +62,7 @@ import contextlib
 import enum
 import errno
 import fcntl
+import logging
 import os
 import re
 import shutil
@@ -78,6 +90,7 @@ from netdist.errors import CheckpointError
 
 __all__ = [
     "CommitPoint",
+    "CommitOutcome",
     "FAILPOINT_ENV",
     "RootScan",
     "staging_dir_name",
@@ -93,7 +106,10 @@ __all__ = [
     "os_errors",
     "describe_os_error",
     "reached",
+    "ensure_root",
 ]
+
+logger = logging.getLogger("netdist.checkpoint")
 
 FAILPOINT_ENV = "NETDIST_CHECKPOINT_FAILPOINT"
 LOCK_FILE = ".lock"
@@ -114,6 +130,23 @@ class CommitPoint(str, enum.Enum):
     OLD_REMOVED = "old-removed"
     LATEST = "latest"
     ROTATED = "rotated"
+
+
+@dataclass(frozen=True, slots=True)
+class CommitOutcome:
+    """What :func:`commit_step` did.
+
+    ``committed``: this call renamed the staging directory to ``step_N`` (False only for
+    a per-rank save whose staging another rank had already committed).
+    ``latest_updated``: ``latest`` now names the newest complete step. ``warnings``: the
+    housekeeping after the commit point that failed and was skipped (``latest`` not
+    rewritten, an old checkpoint or a leftover not deleted), each naming the path and
+    the OS error; the checkpoint is committed regardless, and the next save retries.
+    """
+
+    committed: bool
+    latest_updated: bool = False
+    warnings: tuple[str, ...] = ()
 
 
 def reached(point: CommitPoint) -> None:
@@ -266,9 +299,33 @@ def metadata_generation(directory: str | os.PathLike[str]) -> int:
 # --------------------------------------------------------------------------- writing
 
 
+def ensure_root(root: Path) -> None:
+    """Create the checkpoint directory ``root`` (with its parents) unless it exists.
+
+    A path that exists but is not a directory (``root`` itself, or one of its parents)
+    raises ``CheckpointError`` saying so, in the words the command-line tools use
+    (``<path> exists and is not a directory``), instead of the bare ``[Errno 17] File
+    exists`` or ``[Errno 20] Not a directory`` that ``mkdir`` gives. Other OS errors
+    (permissions, a full disk) propagate as they are.
+    """
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        for path in (root, *root.parents):
+            if os.path.lexists(path):
+                if path.is_dir():
+                    break
+                if path == root:
+                    raise CheckpointError(f"checkpoint directory {root} exists and is not "
+                                          f"a directory") from exc
+                raise CheckpointError(f"cannot create checkpoint directory {root}: {path} "
+                                      f"exists and is not a directory") from exc
+        raise
+
+
 def create_staging(root: Path, step: int, tag: str, *, shared: bool = False) -> Path:
     """Create the staging directory of ``step`` (``shared``: other ranks may have made it)."""
-    root.mkdir(parents=True, exist_ok=True)
+    ensure_root(root)
     staging = root / staging_dir_name(step, tag)
     staging.mkdir(exist_ok=shared)
     reached(CommitPoint.PREPARED)
@@ -322,8 +379,9 @@ def tidy_root(root: Path, *, current: int | None = None, generation: int | None 
     return scan_root(root)
 
 
-def _publish(root: Path, staging: Path, step: int) -> None:
-    """Rename ``staging`` to ``step_N`` (the commit), moving a committed one aside first."""
+def _publish(root: Path, staging: Path, step: int) -> Path | None:
+    """Rename ``staging`` to ``step_N`` (the commit), moving a committed one aside first;
+    returns that aside, for the caller to delete (after the commit point)."""
     final = root / step_dir_name(step)
     aside: Path | None = None
     if _has_metadata(final):
@@ -343,24 +401,49 @@ def _publish(root: Path, staging: Path, step: int) -> None:
         raise
     fsync_dir(root)
     reached(CommitPoint.COMMITTED)
-    if aside is not None:
-        remove_tree_atomic(aside)
-        reached(CommitPoint.OLD_REMOVED)
+    return aside
 
 
-def _rotate(scan: RootScan, current: int, keep_last: int | None) -> None:
-    """Delete complete checkpoints but the ``keep_last`` newest and ``current``."""
+class _Housekeeping:
+    """The steps after the commit point: each one that fails is logged and recorded as a
+    warning instead of failing a save that is already committed."""
+
+    def __init__(self, final: Path) -> None:
+        self.final = final
+        self.warnings: list[str] = []
+
+    def skipped(self, what: str, exc: BaseException) -> None:
+        """Record that ``what`` (a phrase naming the path) failed with ``exc``."""
+        reason = describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
+        message = f"checkpoint {self.final} is committed, but {what}: {reason}"
+        logger.warning("%s", message)
+        self.warnings.append(message)
+
+
+def _rotate(scan: RootScan, current: int, keep_last: int | None,
+            housekeeping: _Housekeeping) -> None:
+    """Delete complete checkpoints but the ``keep_last`` newest and ``current``; one that
+    cannot be deleted is a warning and the others are still deleted."""
     if keep_last is None:
         return
     complete = scan.complete()
     keep = {step for step, _ in complete[-keep_last:]} | {current}
     for step, path in complete:
         if step not in keep:
-            remove_tree_atomic(path)
+            try:
+                remove_tree_atomic(path)
+            except OSError as exc:
+                housekeeping.skipped(f"the old checkpoint {path} (beyond keep_last="
+                                     f"{keep_last}) was not deleted", exc)
+
+
+def _write_latest(root: Path, step: int) -> None:
+    """Point ``root/latest`` at ``step`` (atomically: temp file, fsync, rename)."""
+    write_bytes_atomic(root / LATEST_FILE, (step_dir_name(step) + "\n").encode())
 
 
 def commit_step(root: Path, staging: Path, metadata: ShardMetadata, *,
-                keep_last: int | None, exclusive: bool) -> bool:
+                keep_last: int | None, exclusive: bool) -> CommitOutcome:
     """Commit the checkpoint written into ``staging`` as ``step_N`` of ``root``.
 
     Writes ``metadata.json`` into the staging directory, publishes it by rename (moving a
@@ -368,8 +451,14 @@ def commit_step(root: Path, staging: Path, metadata: ShardMetadata, *,
     newest complete step, keeps ``keep_last`` checkpoints and deletes crash leftovers.
     ``exclusive`` (per-rank saves, where two ranks may finish together) holds
     :func:`root_lock` throughout; then a staging directory already gone means another
-    rank committed it, and False is returned. A failure before the rename leaves the
-    previous checkpoint as it was.
+    rank committed it, and ``CommitOutcome(committed=False)`` is returned.
+
+    A failure before the rename raises and leaves the previous checkpoint as it was.
+    After it (the commit point) nothing raises ``OSError`` or ``CheckpointError``: a step
+    that fails there - ``latest`` (e.g. no inode left for its temporary file), rotation,
+    cleanup - is skipped with a warning (logged, and in the returned outcome), because
+    the checkpoint is committed and loadable, and reporting the save as failed would
+    make a caller redo or distrust a step that is there.
     """
     step = metadata.step
     if step is None:
@@ -377,7 +466,7 @@ def commit_step(root: Path, staging: Path, metadata: ShardMetadata, *,
     with root_lock(root) if exclusive else contextlib.nullcontext():
         if not staging.is_dir():
             if exclusive:
-                return False
+                return CommitOutcome(committed=False)
             raise CheckpointError(f"the staging directory {staging} vanished before the "
                                   f"commit: is another save running in {root}?")
         reached(CommitPoint.FILES_DURABLE)
@@ -386,19 +475,44 @@ def commit_step(root: Path, staging: Path, metadata: ShardMetadata, *,
                 _unlink(Path(entry.path))
         write_bytes_atomic(staging / METADATA_FILE, metadata.dumps().encode("utf-8"))
         reached(CommitPoint.STAGED)
-        _publish(root, staging, step)
-        scan = scan_root(root)
-        newest = scan.newest()
-        if newest is not None:
-            write_bytes_atomic(root / LATEST_FILE, (step_dir_name(newest) + "\n").encode())
-        reached(CommitPoint.LATEST)
-        _rotate(scan, step, keep_last)
-        if exclusive:
-            tidy_root(root, current=step, generation=metadata.generation)
-        else:
-            tidy_root(root)
+        aside = _publish(root, staging, step)
+        # ---- committed: from here on a failure is a warning, never an error
+        housekeeping = _Housekeeping(root / step_dir_name(step))
+        if aside is not None:
+            try:
+                remove_tree_atomic(aside)
+            except OSError as exc:
+                housekeeping.skipped(f"the replaced checkpoint {aside} was not deleted",
+                                     exc)
+            reached(CommitPoint.OLD_REMOVED)
+        latest_updated = False
+        scan: RootScan | None = None
+        try:
+            scan = scan_root(root)
+        except CheckpointError as exc:
+            housekeeping.skipped(f"{root / LATEST_FILE} was not updated and no old "
+                                 f"checkpoint was rotated", exc)
+        if scan is not None:
+            newest = scan.newest()
+            if newest is not None:
+                try:
+                    _write_latest(root, newest)
+                    latest_updated = True
+                except OSError as exc:
+                    housekeeping.skipped(f"{root / LATEST_FILE} was not updated to name "
+                                         f"{step_dir_name(newest)}", exc)
+            reached(CommitPoint.LATEST)
+            _rotate(scan, step, keep_last, housekeeping)
+        try:
+            if exclusive:
+                tidy_root(root, current=step, generation=metadata.generation)
+            else:
+                tidy_root(root)
+        except (OSError, CheckpointError) as exc:
+            housekeeping.skipped(f"leftovers of earlier saves in {root} were not removed",
+                                 exc)
         reached(CommitPoint.ROTATED)
-    return True
+    return CommitOutcome(True, latest_updated, tuple(housekeeping.warnings))
 
 
 # --------------------------------------------------------------------------- helpers

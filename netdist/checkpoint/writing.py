@@ -40,6 +40,17 @@ class SaveResult:
 
     ``committed`` is true on the rank that wrote ``metadata.json`` (rank 0 in a
     collective save, the last rank to finish in the per-rank API).
+
+    A save that returns is committed: the failures it reports by raising all happen
+    before the commit point. What comes after it is housekeeping, and a failure there
+    is reported here instead (and logged as a warning on the ``netdist.checkpoint``
+    logger): ``latest_updated`` says whether the commit rewrote ``latest`` to name the
+    newest complete step (False on a disk too full for its temporary file; loads do not
+    read ``latest``, so nothing depends on it), and ``warnings`` lists each skipped step
+    (``latest`` not rewritten, an old checkpoint beyond ``keep_last`` not deleted),
+    naming the path and the OS error. A collective save gives every rank rank 0's
+    values; in the per-rank API only the committing rank has them (the others get
+    ``False`` and ``()``), and a save without a step keeps no ``latest`` (``False``).
     """
 
     path: Path
@@ -49,6 +60,8 @@ class SaveResult:
     committed: bool
     step: int | None
     seconds: float
+    latest_updated: bool = False
+    warnings: tuple[str, ...] = ()
 
 
 def check_rank(rank: int, world_size: int) -> None:
