@@ -17,6 +17,8 @@ the transport boundary and never escape to callers.
     │   ├── PeerLostError                   a connected peer went away (EOF, reset, heartbeats,
     │   │                                   BYE); ``origin_rank`` names who went away first
     │   ├── TransportClosedError            the local transport was closed
+    │   ├── UndeliveredError                a clean close could not hand a peer every
+    │   │                                   byte already reported sent (names the bytes)
     │   └── SharedMemoryError               a same-host shared-memory segment could not be
     │                                       made or attached (the group falls back to TCP)
     ├── NetdistTimeoutError (TimeoutError)  a bounded wait expired
@@ -53,6 +55,7 @@ __all__ = [
     "AuthenticationError",
     "PeerLostError",
     "TransportClosedError",
+    "UndeliveredError",
     "SharedMemoryError",
     "NetdistTimeoutError",
     "RendezvousTimeoutError",
@@ -151,6 +154,21 @@ class PeerLostError(TransportError):
 
 class TransportClosedError(TransportError):
     """The local transport was closed while (or before) the operation ran."""
+
+
+class UndeliveredError(TransportError):
+    """Closing cleanly, this rank could not deliver bytes its sends already reported done.
+
+    A send returns once the bytes are with the kernel; a clean close (``aclose``, leaving
+    ``async with``, ``Job.close``, torch's ``destroy_process_group``) waits until every
+    peer's kernel has acknowledged them and the peer has read up to this rank's goodbye,
+    bounded by the operation timeout. ``undelivered`` maps each peer that did not get
+    everything to the bytes still unacknowledged (``-1``: the platform cannot count them).
+    """
+
+    def __init__(self, message: str, undelivered: dict[int, int]) -> None:
+        super().__init__(message)
+        self.undelivered = dict(undelivered)
 
 
 class SharedMemoryError(TransportError):

@@ -51,6 +51,7 @@ TREE = {
     AuthenticationError: (ConnectError, TransportError),
     PeerLostError: (TransportError,),
     TransportClosedError: (TransportError,),
+    UndeliveredError: (TransportError,),
     SharedMemoryError: (TransportError,),
     NetdistTimeoutError: (NetdistError, TimeoutError, OSError),
     RendezvousTimeoutError: (NetdistTimeoutError, TimeoutError),

@@ -42,6 +42,12 @@ from netdist.errors import (
     RemoteProtocolError,
 )
 from netdist.transport.blame import LossOrigin, read_farewell
+from netdist.transport.link_stats import (
+    LinkWatch,
+    cap_retransmit_backoff,
+    tcp_stats,
+    unsent_bytes,
+)
 from netdist.transport.mailbox import Landing, PeerMailbox
 from netdist.wire import (
     NEED_DATA,
@@ -102,6 +108,14 @@ limit, only for a header that passed its length check): a stranger costs about t
 SCRATCH_BYTES = 256 * 1024
 """Read buffer for prefixes and headers once the peer has authenticated."""
 
+ACKED_CLOSE_GRACE = 2.0
+"""Seconds a clean close still waits for a peer's goodbye once the peer's kernel has
+acknowledged every byte (they are safe there; the peer reads them when it can)."""
+
+_QUICK_CLOSE_SECONDS = 1.0
+_DRAIN_FIRST_POLL = 0.005
+_DRAIN_MAX_POLL = 0.25
+
 _DEFAULT_ADMISSION = AdmissionLimits()
 
 _NOT_STARTED = -1
@@ -117,7 +131,8 @@ def handshake_limits(limits: WireLimits, header_bytes: int) -> WireLimits:
 
 
 def tune_socket(sock: socket.socket) -> None:
-    """TCP_NODELAY and large socket buffers; errors are ignored (the kernel may refuse)."""
+    """TCP_NODELAY, large socket buffers and a capped retransmission back-off
+    (``netdist.transport.link_stats``); errors are ignored (the kernel may refuse)."""
     for level, option, value in (
         (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),
         (socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES),
@@ -127,6 +142,7 @@ def tune_socket(sock: socket.socket) -> None:
             sock.setsockopt(level, option, value)
         except OSError:  # pragma: no cover - platform specific
             pass
+    cap_retransmit_backoff(sock)
 
 
 def _loop_keeps_references(transport: asyncio.BaseTransport) -> bool:
@@ -166,6 +182,8 @@ class FrameConnection(asyncio.BufferedProtocol):
         self.writes = 0
         """Frames written so far (data and control)."""
         self._seen = (0, 0)
+        self.link = LinkWatch()
+        """The kernel's view of the link (losses, acknowledgements) for liveness."""
         self.peer_said_bye = False
         self.loss_origin: LossOrigin | None = None
         """Set when the peer's last frame (ERROR) named who went away first."""
@@ -283,6 +301,11 @@ class FrameConnection(asyncio.BufferedProtocol):
             self.last_sent = now
         self._seen = (self.reads, self.writes)
         return now - self.last_sent, now - self.last_received
+
+    def watch_link(self, now: float) -> None:
+        """Feed the kernel's counters for this connection to ``link`` (each liveness tick)."""
+        if self.transport is not None:
+            self.link.observe(tcp_stats(self.transport), now)
 
     # -- asyncio protocol callbacks ------------------------------------------------------
 
@@ -741,6 +764,68 @@ class FrameConnection(asyncio.BufferedProtocol):
                     await asyncio.shield(self._closed)
             except TimeoutError:  # pragma: no cover - abort always calls connection_lost
                 pass
+
+    async def wait_delivered(self, deadline: float, liveness_window: float) -> int:
+        """After ``close(send_bye=True)``: wait until the peer has everything sent to it.
+
+        The peer closes its side once it has read this side's goodbye, which travels
+        behind every data frame, so its EOF proves delivery. While waiting, the kernel's
+        send queue (``SIOCOUTQ``) must keep shrinking: a queue that has not moved for a
+        liveness window (stretched on a lossy link, see ``LinkWatch``) means a stopped or
+        partitioned peer, and nothing waits past ``deadline`` (loop time; the operation
+        timeout). Once the peer's kernel has acknowledged every byte, its goodbye is
+        waited for ``ACKED_CLOSE_GRACE`` seconds more: the bytes are safe in its kernel.
+
+        Returns the bytes the peer's kernel never acknowledged: 0 when all were
+        delivered, -1 when the platform cannot count them and the peer never confirmed.
+        The socket is closed either way (gracefully: the kernel still delivers what it
+        can). A connection that failed or never sent its goodbye (nothing to deliver, or
+        its loss is already reported) is waited for briefly and returns 0. Never raises.
+        """
+        transport = self.transport
+        if transport is None:
+            return 0
+        if not self._linger:
+            await self.wait_closed(_QUICK_CLOSE_SECONDS)
+            return 0
+        loop = self._loop
+        left = unsent_bytes(transport)
+        moved_at = loop.time()
+        poll = _DRAIN_FIRST_POLL
+        acked_by: float | None = None
+        while not self._closed.done():
+            now = loop.time()
+            self.watch_link(now)
+            queued = unsent_bytes(transport)
+            if queued is not None and (left is None or queued < left):
+                moved_at = now
+            left = queued
+            if left == 0 and acked_by is None:
+                acked_by = now + ACKED_CLOSE_GRACE
+            stalled = now - moved_at > self.link.window(liveness_window, now)
+            if now >= deadline or (acked_by is not None and now >= acked_by) or (
+                    left is not None and left > 0 and stalled):
+                break
+            limit = min(poll, deadline - now)
+            if acked_by is not None:
+                limit = min(limit, acked_by - now)
+            try:
+                async with asyncio.timeout(max(limit, 0.0)):
+                    await asyncio.shield(self._closed)
+            except TimeoutError:
+                poll = min(poll * 2, _DRAIN_MAX_POLL)
+        if self._closed.done():
+            return 0
+        final = unsent_bytes(transport)
+        transport.close()  # graceful: what the kernel still holds may yet arrive
+        try:
+            async with asyncio.timeout(_QUICK_CLOSE_SECONDS):
+                await asyncio.shield(self._closed)
+        except TimeoutError:  # pragma: no cover - close always calls connection_lost
+            pass
+        if final == 0:
+            return 0
+        return -1 if final is None else final
 
 
 # -- sockets: listening, connecting, the handshake driver ------------------------------

@@ -33,7 +33,9 @@ Start-up (``TcpTransport.connect(config)``):
 4. a monitor task sends HEARTBEAT frames on idle connections and declares a peer lost
    after ``heartbeat_interval * heartbeat_misses`` of silence -- measured only over time
    our own event loop was responsive, so a long NumPy computation here never makes a
-   healthy peer look dead.
+   healthy peer look dead. On a link that is losing packets while the peer's kernel
+   still acknowledges, the window stretches (``netdist.transport.link_stats``): TCP's
+   retransmission back-off can hold a live peer's frames longer than the plain window.
 
 Data path: see ``netdist.transport.connection`` (zero-copy receive into ``out=``
 through ``asyncio.BufferedProtocol``; sends return once the array's memory is free).
@@ -67,6 +69,7 @@ from netdist.errors import (
     NetdistTimeoutError,
     PeerLostError,
     TransportClosedError,
+    UndeliveredError,
 )
 from netdist.transport.admission import AdmissionControl, Release, raise_nofile_limit
 from netdist.transport.barrier import dissemination_barrier
@@ -113,7 +116,7 @@ logger = logging.getLogger("netdist.transport")
 
 _HEARTBEAT = encode_control(FrameKind.HEARTBEAT)
 _CLOSE_WAIT = 2.0
-"""Seconds ``aclose`` lets each connection flush its BYE before aborting it."""
+"""Seconds ``aclose`` gives a connection still mid-handshake before aborting it."""
 
 
 class TcpTransport(Transport):
@@ -157,6 +160,8 @@ class TcpTransport(Transport):
         self._accepted = asyncio.Event()
         self._closed = False
         self._close_task: asyncio.Task[None] | None = None
+        self._undelivered: dict[int, int] = {}
+        """Per peer, the bytes a close could not deliver (see ``aclose``)."""
         self._monitor_task: asyncio.Task[Any] | None = None
         self._lost: dict[int, tuple[LossOrigin, bool]] = {}
         """Per lost peer, in the order lost: who went away first, and whether that loss
@@ -527,11 +532,16 @@ class TcpTransport(Transport):
                 idle, silent = conn.observe(now)
                 if idle >= interval:
                     conn.write_control(_HEARTBEAT)
+                conn.watch_link(now)
                 silent = min(silent, now - responsive_since)
-                if silent > limit:
+                if silent > limit and silent > conn.link.window(limit, now):
+                    lossy = conn.link.lossy(limit, now)
+                    window = (f"the liveness window of {limit:g}s stretched to "
+                              f"{conn.link.window(limit, now):g}s because the link is losing "
+                              "packets" if lossy else f"the liveness window of {limit:g}s")
                     conn.fail(
-                        f"rank {conn.peer_rank} sent nothing for {silent:.1f}s, beyond the "
-                        f"liveness window of {limit:g}s (NETDIST_HEARTBEAT_INTERVAL="
+                        f"rank {conn.peer_rank} sent nothing for {silent:.1f}s, beyond "
+                        f"{window} (NETDIST_HEARTBEAT_INTERVAL="
                         f"{interval:g} x NETDIST_HEARTBEAT_MISSES="
                         f"{self.config.heartbeat_misses}): presumed dead (stopped, "
                         "partitioned, or computing without a progress thread)")
@@ -643,9 +653,14 @@ class TcpTransport(Transport):
         await dissemination_barrier(self, self.timeout if timeout is None else timeout)
 
     async def aclose(self) -> None:
-        """Send BYE to every peer, close every socket, cancel and await internal tasks.
+        """Send BYE to every peer, deliver what was sent, close every socket, await tasks.
 
-        Idempotent. Pending operations fail with ``TransportClosedError``. If the caller
+        Nothing a send or collective reported done is dropped: each connection is closed
+        only once the peer has read up to this rank's BYE (its EOF says so), or its kernel
+        has acknowledged every byte, bounded by the operation timeout (``timeout``); a
+        peer whose kernel stops acknowledging for a liveness window is given up on. A
+        clean close that could not deliver everything raises ``UndeliveredError`` naming
+        each such peer and the bytes left (an ``abort`` only logs it). Idempotent. Pending operations fail with ``TransportClosedError``. If the caller
         is cancelled, closing still completes (the sockets are closed synchronously; the
         bounded wait for them runs in a task the next ``aclose`` awaits). If a peer was
         lost before (not one that left with BYE while this rank waited on nothing from
@@ -670,10 +685,27 @@ class TcpTransport(Transport):
         await self._close(None if clean else error)
 
     async def _close(self, error: BaseException | str | None) -> None:
+        first = self._close_task is None
         if self._close_task is None:
             self._begin_close(self._farewell(error))
             self._close_task = self._loop.create_task(self._finish_close())
         await asyncio.shield(self._close_task)
+        if first and self._undelivered:
+            failure = self._undelivered_error()
+            if error is None:
+                raise failure
+            logger.warning("netdist: %s", failure)
+
+    def _undelivered_error(self) -> UndeliveredError:
+        """What a clean close could not deliver, peer by peer (see ``wait_delivered``)."""
+        parts = [(f"rank {peer}: {n} bytes not acknowledged" if n > 0 else
+                  f"rank {peer}: never confirmed it read everything")
+                 for peer, n in sorted(self._undelivered.items())]
+        return UndeliveredError(
+            f"rank {self.rank} closed its transport but could not deliver everything it "
+            f"had sent within the operation timeout of {self.timeout:g}s ("
+            + "; ".join(parts) + "): the peer stopped reading or the link stopped "
+            "moving bytes", self._undelivered)
 
     def _farewell(self, error: BaseException | str | None) -> bytes | None:
         """The ERROR frame to leave with (None: a plain BYE, nothing to blame)."""
@@ -736,10 +768,13 @@ class TcpTransport(Transport):
             await asyncio.gather(*tasks, return_exceptions=True)
         if self._coordinator is not None:
             await self._coordinator.aclose()
-        conns = [c for c in self._connections if c is not None]
-        conns.extend(self._handshaking)
-        if conns:
-            await asyncio.gather(*(c.wait_closed(_CLOSE_WAIT) for c in conns))
+        deadline = self._loop.time() + self.timeout
+        window = self.config.liveness_window
+        peers = [c for c in self._connections if c is not None]
+        left = await asyncio.gather(*(c.wait_delivered(deadline, window) for c in peers),
+                                    *(c.wait_closed(_CLOSE_WAIT) for c in self._handshaking))
+        self._undelivered = {conn.peer_rank: n for conn, n in zip(peers, left)
+                             if n and conn.peer_rank is not None}
         if self._server is not None:
             await self._server.wait_closed()
 

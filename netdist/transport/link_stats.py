@@ -1,0 +1,200 @@
+"""What the kernel knows about one TCP connection: acknowledged bytes, losses, backlog.
+
+The transport decides two things from it that its own frames cannot tell:
+
+- **liveness on a lossy link** (``LinkWatch``). A peer whose frames stop arriving is
+  presumed dead after the liveness window. On a link that drops packets, TCP's
+  retransmission back-off can hold a live peer's frames longer than that: the bytes are
+  retransmitted, lost again, and the timer doubles. The kernel sees the difference from
+  a stopped or partitioned peer: the peer's kernel keeps acknowledging what this rank
+  sends (heartbeats included), and the connection shows retransmissions or segments that
+  arrived out of order. While both hold, the window stretches by ``LOSSY_LINK_FACTOR``.
+  A partitioned peer acknowledges nothing, so it is still named within the plain window;
+  a stopped process on a lossy link (its kernel still acknowledges) within the stretched
+  one. Where the kernel allows it (Linux 6.15+, ``TCP_RTO_MAX_MS``), the retransmission
+  back-off is also capped at ``RETRANSMIT_BACKOFF_CAP`` seconds (``cap_retransmit_backoff``),
+  so a live peer's bytes are retried at least that often.
+- **delivery at close** (``unsent_bytes``): how many bytes this side wrote that the peer's
+  kernel has not acknowledged yet (``SIOCOUTQ``). A clean close waits for them.
+
+Everything here degrades to "unknown" (``None``) where the platform has no ``TCP_INFO``
+or ``SIOCOUTQ`` (macOS, a non-TCP socket): callers then keep the plain rules.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import socket
+import struct
+import sys
+import termios
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "TcpStats",
+    "tcp_stats",
+    "unsent_bytes",
+    "cap_retransmit_backoff",
+    "LinkWatch",
+    "LOSSY_LINK_FACTOR",
+    "RETRANSMIT_BACKOFF_CAP",
+]
+
+LOSSY_LINK_FACTOR = 3.0
+"""How much longer a silent peer is waited for while its link is losing packets and its
+kernel still acknowledges: the liveness window times this is the documented bound on
+naming a stopped rank over a lossy link."""
+
+RETRANSMIT_BACKOFF_CAP = 1.0
+"""Seconds: the longest TCP may wait between two retransmissions of the same bytes, where
+the kernel lets a socket set it (``TCP_RTO_MAX_MS``; 1 s is the smallest it accepts)."""
+
+_TCP_RTO_MAX_MS = 44  # linux/tcp.h, since 6.15
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_TCP_INFO_BYTES = 232
+
+# struct tcp_info (linux/tcp.h): offsets of the fields read here
+_U8_RETRANSMITS = 2
+_U8_BACKOFF = 4
+_U32_LAST_ACK_RECV = 56
+_U32_TOTAL_RETRANS = 100
+_U64_BYTES_ACKED = 120
+_U64_BYTES_RECEIVED = 128
+_U32_RCV_OOOPACK = 224
+
+
+@dataclass(frozen=True, slots=True)
+class TcpStats:
+    """The fields of the kernel's ``tcp_info`` that liveness and close use.
+
+    Counters that an older kernel does not report are ``None``.
+    """
+
+    retransmits: int
+    """Retransmissions of the oldest unacknowledged segment so far (0: none pending)."""
+    backoff: int
+    """How many times the retransmission timer has doubled for that segment."""
+    last_ack_recv: float
+    """Seconds since the peer's kernel last acknowledged anything."""
+    total_retrans: int
+    """Segments retransmitted over the connection's life."""
+    bytes_acked: int | None
+    """Bytes this side sent that the peer's kernel acknowledged (Linux 4.1+)."""
+    bytes_received: int | None
+    """Bytes received from the peer (Linux 4.1+)."""
+    rcv_ooopack: int | None
+    """Segments from the peer that arrived out of order, behind a lost one (Linux 5.4+)."""
+
+
+def _socket_of(sock_or_transport: Any) -> Any:
+    """The socket behind an asyncio/uvloop transport, or ``sock_or_transport`` itself."""
+    get_extra_info = getattr(sock_or_transport, "get_extra_info", None)
+    if get_extra_info is not None:
+        return get_extra_info("socket")
+    return sock_or_transport
+
+
+def tcp_stats(sock_or_transport: Any) -> TcpStats | None:
+    """The kernel's view of a TCP connection, or ``None`` where it cannot be read."""
+    sock = _socket_of(sock_or_transport)
+    if sock is None or _TCP_INFO is None or not sys.platform.startswith("linux"):
+        return None
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_BYTES)
+    except (OSError, ValueError):  # closed, or not a TCP socket
+        return None
+    if len(raw) < _U32_TOTAL_RETRANS + 4:
+        return None
+
+    def u64(offset: int) -> int | None:
+        return struct.unpack_from("<Q", raw, offset)[0] if len(raw) >= offset + 8 else None
+
+    ooo = struct.unpack_from("<I", raw, _U32_RCV_OOOPACK)[0] \
+        if len(raw) >= _U32_RCV_OOOPACK + 4 else None
+    return TcpStats(
+        retransmits=raw[_U8_RETRANSMITS],
+        backoff=raw[_U8_BACKOFF],
+        last_ack_recv=struct.unpack_from("<I", raw, _U32_LAST_ACK_RECV)[0] / 1000.0,
+        total_retrans=struct.unpack_from("<I", raw, _U32_TOTAL_RETRANS)[0],
+        bytes_acked=u64(_U64_BYTES_ACKED),
+        bytes_received=u64(_U64_BYTES_RECEIVED),
+        rcv_ooopack=ooo,
+    )
+
+
+def unsent_bytes(sock_or_transport: Any) -> int | None:
+    """Bytes in the socket's send queue that the peer has not acknowledged (``SIOCOUTQ``).
+
+    0 once the peer's kernel holds everything written; ``None`` where unknown.
+    """
+    sock = _socket_of(sock_or_transport)
+    if sock is None or not sys.platform.startswith("linux"):
+        return None
+    try:
+        fd = sock.fileno()
+        if fd < 0:
+            return None
+        buf = fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0")  # SIOCOUTQ == TIOCOUTQ
+    except (OSError, ValueError):
+        return None
+    return int(struct.unpack("<i", buf)[0])
+
+
+def cap_retransmit_backoff(sock: socket.socket, seconds: float = RETRANSMIT_BACKOFF_CAP) -> bool:
+    """Cap TCP's retransmission back-off at ``seconds`` where the kernel allows it.
+
+    Returns whether it was set (False on kernels before Linux 6.15 and elsewhere).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MAX_MS, max(1000, int(seconds * 1000)))
+    except OSError:
+        return False
+    return True
+
+
+class LinkWatch:
+    """Per connection: is the link losing packets while the peer's kernel still answers?
+
+    ``observe`` is called on every liveness tick with the kernel's counters;
+    ``window(base, now)`` is then the silence to allow before presuming the peer dead:
+    ``base``, or ``base * LOSSY_LINK_FACTOR`` while, within the last ``base`` seconds,
+    the connection lost packets (retransmissions, out-of-order arrivals) and the peer's
+    kernel acknowledged something.
+    """
+
+    __slots__ = ("_last", "_loss_at", "_ack_at")
+
+    def __init__(self) -> None:
+        self._last: TcpStats | None = None
+        self._loss_at = float("-inf")
+        self._ack_at = float("-inf")
+
+    def observe(self, stats: TcpStats | None, now: float) -> None:
+        """Record what changed since the last observation at loop time ``now``."""
+        if stats is None:
+            return
+        last, self._last = self._last, stats
+        if stats.retransmits > 0 or stats.backoff > 0:
+            self._loss_at = now
+        self._ack_at = max(self._ack_at, now - stats.last_ack_recv)
+        if last is None:
+            return
+        if stats.total_retrans > last.total_retrans:
+            self._loss_at = now
+        if (stats.rcv_ooopack is not None and last.rcv_ooopack is not None
+                and stats.rcv_ooopack > last.rcv_ooopack):
+            self._loss_at = now
+        if (stats.bytes_acked is not None and last.bytes_acked is not None
+                and stats.bytes_acked > last.bytes_acked):
+            self._ack_at = now
+
+    def lossy(self, base: float, now: float) -> bool:
+        """True while the link lost packets and the peer's kernel answered within ``base``."""
+        return now - self._loss_at <= base and now - self._ack_at <= base
+
+    def window(self, base: float, now: float) -> float:
+        """The silence allowed before presuming the peer dead (see the class docstring)."""
+        return base * LOSSY_LINK_FACTOR if self.lossy(base, now) else base
