@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import numbers
 import os
 import warnings
 from collections.abc import Mapping
@@ -19,7 +21,9 @@ from netdist.errors import ConfigError
 
 __all__ = ["WireLimits", "AdmissionLimits", "DistributedConfig", "parse_host_port", "DEFAULT_PORT",
            "MIN_TOKEN_LENGTH", "WeakTokenWarning", "check_token_strength", "redacted_repr",
-           "ConnectMode"]
+           "ConnectMode", "NumberSetting", "NUMBER_SETTINGS", "SWITCH_ON", "SWITCH_OFF",
+           "SWITCH_VARIABLES", "EVENT_LOOP_CHOICES", "CONFIG_VARIABLES", "SET_BY_LAUNCHERS",
+           "parse_switch", "parse_choice", "validate_environment"]
 
 DEFAULT_PORT = 29400
 """Coordinator port used when only a host is given (torchrun's MASTER_PORT default is 29500)."""
@@ -67,6 +71,150 @@ def redacted_repr(obj: Any, secret_fields: tuple[str, ...] = ("token",)) -> str:
         shown = REDACTED if item.name in secret_fields and value else value
         parts.append(f"{item.name}={shown!r}")
     return f"{type(obj).__name__}({', '.join(parts)})"
+
+
+def _plain(number: float) -> str:
+    """``number`` as written in a message: ``1000000``, not ``1e+06``."""
+    return str(int(number)) if float(number).is_integer() else repr(number)
+
+
+@dataclass(frozen=True, slots=True)
+class NumberSetting:
+    """The rule for one numeric setting: its field, its environment variable, its unit and
+    its range.
+
+    One rule serves both ways a value arrives, so the two cannot drift apart: ``parse``
+    reads the environment variable's text (the error names the variable and the text, as
+    the user typed them), ``check`` validates a Python argument (the error names the
+    field). Every value must be finite: an infinite timeout or heartbeat interval would
+    leave a wait unbounded, which netdist promises never to do, and NaN compares false
+    with everything, so it would pass any range check written the other way round.
+    """
+
+    field: str
+    """Attribute name on the dataclass that holds the value."""
+    variable: str | None
+    """``NETDIST_*`` variable it is read from; ``None``: an argument only."""
+    unit: str
+    """``"seconds"``, ``"microseconds"``, or ``""`` for a plain count."""
+    low: float
+    """Lower bound of the range."""
+    low_inclusive: bool = False
+    """Whether ``low`` itself is allowed (``>=``) or not (``>``)."""
+    high: float | None = None
+    """Inclusive upper bound, if any."""
+    integer: bool = False
+    """Whether the value must be an integer."""
+    optional: bool = False
+    """Whether ``None`` (meaning "the default rule") is allowed."""
+
+    @property
+    def bounds(self) -> str:
+        """The range as written in messages: ``> 0``, ``>= 1`` or ``in 0..1000000``."""
+        if self.high is not None:
+            return f"in {_plain(self.low)}..{_plain(self.high)}"
+        return f"{'>=' if self.low_inclusive else '>'} {_plain(self.low)}"
+
+    def in_range(self, value: float) -> bool:
+        """Whether the finite ``value`` lies within the range."""
+        above = value >= self.low if self.low_inclusive else value > self.low
+        return above and (self.high is None or value <= self.high)
+
+    def check(self, value: object) -> None:
+        """Raise ``ConfigError`` unless ``value`` (a Python argument) is acceptable."""
+        if value is None and self.optional:
+            return
+        unit = f" {self.unit}" if self.unit else ""
+        if self.integer:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ConfigError(f"{self.field} must be an integer, got {value!r}")
+        elif (isinstance(value, bool) or not isinstance(value, numbers.Real)
+              or not math.isfinite(value)):
+            raise ConfigError(f"{self.field} must be a finite number of {self.unit}, "
+                              f"got {value!r}")
+        if not self.in_range(float(value)):
+            raise ConfigError(f"{self.field} must be {self.bounds}{unit}, got {value!r}")
+
+    def parse(self, text: str) -> float | int:
+        """The value of the environment variable holding ``text``; ``ConfigError`` naming
+        the variable, the text and what is accepted, whatever is wrong with it (not a
+        number, not finite, out of range)."""
+        name = self.variable or self.field
+        if self.integer:
+            try:
+                whole = int(text)
+            except ValueError:
+                whole = None
+            if whole is None or not self.in_range(whole):
+                raise ConfigError(f"{name}={text!r} is not an integer {self.bounds}")
+            return whole
+        try:
+            number = float(text)
+        except ValueError:
+            number = math.nan
+        if not (math.isfinite(number) and self.in_range(number)):
+            raise ConfigError(f"{name}={text!r} is not a number of {self.unit} (expected a "
+                              f"finite number {self.bounds})")
+        return number
+
+
+NUMBER_SETTINGS: tuple[NumberSetting, ...] = (
+    NumberSetting("timeout", "NETDIST_TIMEOUT", "seconds", 0),
+    NumberSetting("connect_timeout", "NETDIST_CONNECT_TIMEOUT", "seconds", 0, optional=True),
+    NumberSetting("heartbeat_interval", "NETDIST_HEARTBEAT_INTERVAL", "seconds", 0),
+    NumberSetting("heartbeat_misses", "NETDIST_HEARTBEAT_MISSES", "", 1, low_inclusive=True,
+                  integer=True),
+    NumberSetting("spin_us", "NETDIST_SPIN_US", "microseconds", 0, low_inclusive=True,
+                  high=1e6, optional=True),
+)
+"""``DistributedConfig``'s numeric fields, each with its ``NETDIST_*`` variable and range."""
+
+_HANDSHAKE_TIMEOUT = NumberSetting("handshake_timeout", None, "seconds", 0)
+_REFUSAL_LOG_INTERVAL = NumberSetting("refusal_log_interval", None, "seconds", 0,
+                                      low_inclusive=True)
+
+SWITCH_ON: tuple[str, ...] = ("1", "true", "yes", "on")
+"""The words that turn a ``NETDIST_*`` switch on (any case, surrounding spaces ignored)."""
+SWITCH_OFF: tuple[str, ...] = ("0", "false", "no", "off")
+"""The words that turn a ``NETDIST_*`` switch off."""
+
+SWITCH_VARIABLES: tuple[str, ...] = ("NETDIST_INSECURE", "NETDIST_SHM", "NETDIST_DEBUG")
+"""Every on/off ``NETDIST_*`` variable netdist reads (each through ``parse_switch``)."""
+
+EVENT_LOOP_CHOICES: tuple[str, ...] = ("auto", "uvloop", "asyncio")
+"""Values of ``NETDIST_EVENT_LOOP`` (see ``netdist.progress.loops``)."""
+
+
+def parse_switch(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """The on/off switch ``name`` in ``env``: ``default`` when unset or empty, ``True`` for
+    a word of ``SWITCH_ON``, ``False`` for one of ``SWITCH_OFF``.
+
+    Anything else is a ``ConfigError`` naming the variable, the value and the accepted
+    words: a typo (``NETDIST_SHM=of``) must not silently mean the opposite of what was
+    meant."""
+    raw = env.get(name)
+    word = (raw or "").strip().lower()
+    if not word:
+        return default
+    if word in SWITCH_ON:
+        return True
+    if word in SWITCH_OFF:
+        return False
+    raise ConfigError(f"{name}={raw!r} is neither on ({', '.join(SWITCH_ON)}) nor off "
+                      f"({', '.join(SWITCH_OFF)})")
+
+
+def parse_choice(env: Mapping[str, str], name: str, choices: tuple[str, ...],
+                 default: str) -> str:
+    """The value of ``name`` in ``env``, lower-cased: ``default`` when unset or empty, else
+    one of ``choices``; anything else is a ``ConfigError`` naming the accepted values."""
+    raw = env.get(name)
+    word = (raw or "").strip().lower()
+    if not word:
+        return default
+    if word not in choices:
+        raise ConfigError(f"{name}={raw!r} is not one of {', '.join(choices)}")
+    return word
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,17 +276,13 @@ class AdmissionLimits:
         if self.max_unauthenticated < 1:
             raise ConfigError(
                 f"max_unauthenticated must be >= 1, got {self.max_unauthenticated}")
-        if not self.handshake_timeout > 0:
-            raise ConfigError(
-                f"handshake_timeout must be > 0 seconds, got {self.handshake_timeout}")
+        _HANDSHAKE_TIMEOUT.check(self.handshake_timeout)
         if self.handshake_header_bytes < 64:
             raise ConfigError(
                 f"handshake_header_bytes must be >= 64, got {self.handshake_header_bytes}")
         if self.fd_reserve < 0:
             raise ConfigError(f"fd_reserve must be >= 0, got {self.fd_reserve}")
-        if not self.refusal_log_interval >= 0:
-            raise ConfigError(f"refusal_log_interval must be >= 0 seconds, got "
-                              f"{self.refusal_log_interval}")
+        _REFUSAL_LOG_INTERVAL.check(self.refusal_log_interval)
 
 
 class ConnectMode(enum.Enum):
@@ -180,6 +324,14 @@ def parse_host_port(text: str, *, what: str = "address") -> tuple[str, int]:
     if not 0 <= port <= 65535:
         raise ConfigError(f"{what} {text!r}: port {port} is out of range 0..65535")
     return host, port
+
+
+def _connect_mode(value: object) -> ConnectMode:
+    """``value`` (``"lazy"`` / ``"eager"``, any case) as a ``ConnectMode``."""
+    mode = value.strip().lower() if isinstance(value, str) else None
+    if mode not in ("lazy", "eager"):
+        raise ConfigError(f"connect (NETDIST_CONNECT) must be 'lazy' or 'eager', got {value!r}")
+    return ConnectMode(mode)
 
 
 def _first(env: Mapping[str, str], *names: str) -> str | None:
@@ -248,26 +400,14 @@ class DistributedConfig:
             raise ConfigError(f"world_size must be >= 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
-        for name in ("timeout", "connect_timeout", "heartbeat_interval"):
-            value = getattr(self, name)
-            if value is None and name == "connect_timeout":
-                continue
-            if not value > 0:
-                raise ConfigError(f"{name} must be > 0 seconds, got {value}")
-        if self.heartbeat_misses < 1:
-            raise ConfigError(f"heartbeat_misses must be >= 1, got {self.heartbeat_misses}")
-        if self.spin_us is not None and not 0 <= self.spin_us <= 1e6:
-            raise ConfigError(f"spin_us must be in 0..1000000 microseconds, got {self.spin_us}")
+        for setting in NUMBER_SETTINGS:
+            setting.check(getattr(self, setting.field))
         if not self.job_id:
             raise ConfigError("job_id must not be empty")
         if self.token is not None and type(self.token) is not str:
             raise ConfigError(f"token must be a str or None, got {type(self.token).__name__}")
         if not isinstance(self.connect, ConnectMode):
-            mode = self.connect.strip().lower() if isinstance(self.connect, str) else None
-            if mode not in ("lazy", "eager"):
-                raise ConfigError(f"connect (NETDIST_CONNECT) must be 'lazy' or 'eager', got "
-                                  f"{self.connect!r}")
-            object.__setattr__(self, "connect", ConnectMode(mode))
+            object.__setattr__(self, "connect", _connect_mode(self.connect))
         check_token_strength(self.token, stacklevel=3)  # -> whoever built the config
 
     def __repr__(self) -> str:
@@ -330,28 +470,7 @@ class DistributedConfig:
                 port += 1
             values["coordinator"] = (env["MASTER_ADDR"], port)
 
-        for key, var in (("job_id", "NETDIST_JOB_ID"), ("token", "NETDIST_TOKEN"),
-                         ("advertise_addr", "NETDIST_ADVERTISE_ADDR"),
-                         ("listen_host", "NETDIST_LISTEN_HOST"), ("connect", "NETDIST_CONNECT")):
-            value = _first(env, var)
-            if value is not None:
-                values[key] = value
-        for key, var, unit in (("timeout", "NETDIST_TIMEOUT", "seconds"),
-                               ("connect_timeout", "NETDIST_CONNECT_TIMEOUT", "seconds"),
-                               ("heartbeat_interval", "NETDIST_HEARTBEAT_INTERVAL", "seconds"),
-                               ("spin_us", "NETDIST_SPIN_US", "microseconds")):
-            number = _first(env, var)
-            if number is not None:
-                try:
-                    values[key] = float(number)
-                except ValueError:
-                    raise ConfigError(f"{var}={number!r} is not a number of {unit}") from None
-        misses = _int_from(env, "NETDIST_HEARTBEAT_MISSES")
-        if misses is not None:
-            values["heartbeat_misses"] = misses
-        if (_first(env, "NETDIST_INSECURE") or "").strip().lower() in ("1", "true", "yes"):
-            values["insecure"] = True
-
+        values.update(_settings_from_env(env))
         values.update(overrides)
         missing = [name for name in ("rank", "world_size") if name not in values]
         if missing:
@@ -361,3 +480,66 @@ class DistributedConfig:
                 "SLURM_NTASKS, OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE)"
             )
         return cls(**values)
+
+
+_STRING_SETTINGS: tuple[tuple[str, str], ...] = (
+    ("job_id", "NETDIST_JOB_ID"), ("token", "NETDIST_TOKEN"),
+    ("advertise_addr", "NETDIST_ADVERTISE_ADDR"), ("listen_host", "NETDIST_LISTEN_HOST"),
+    ("connect", "NETDIST_CONNECT"),
+)
+"""``DistributedConfig`` fields taken as text from their ``NETDIST_*`` variable."""
+
+
+def _settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """The ``DistributedConfig`` fields set by ``NETDIST_*`` variables other than rank,
+    world size and coordinator, each parsed and range-checked (``NUMBER_SETTINGS``,
+    ``parse_switch``): the one reading of them, shared by ``from_env`` and
+    ``validate_environment``."""
+    values: dict[str, Any] = {}
+    for key, var in _STRING_SETTINGS:
+        value = _first(env, var)
+        if value is not None:
+            values[key] = value
+    for setting in NUMBER_SETTINGS:
+        text = _first(env, setting.variable) if setting.variable else None
+        if text is not None:
+            values[setting.field] = setting.parse(text)
+    if parse_switch(env, "NETDIST_INSECURE", False):
+        values["insecure"] = True
+    return values
+
+
+SET_BY_LAUNCHERS: frozenset[str] = frozenset({
+    "NETDIST_RANK", "NETDIST_WORLD_SIZE", "NETDIST_COORDINATOR", "NETDIST_RESTART_COUNT",
+})
+"""``NETDIST_*`` variables a launcher sets for each rank (``netdist launch`` overwrites
+them), so they are not the user's to validate up front."""
+
+CONFIG_VARIABLES: frozenset[str] = frozenset({
+    *(var for _, var in _STRING_SETTINGS),
+    *(setting.variable for setting in NUMBER_SETTINGS if setting.variable),
+    *SWITCH_VARIABLES, "NETDIST_EVENT_LOOP", "NETDIST_HOST_ID",
+})
+"""The ``NETDIST_*`` variables whose rules live in this module (``validate_environment``
+checks them); ``NETDIST_HOST_ID`` and the names, addresses and token may be any text."""
+
+
+def validate_environment(env: Mapping[str, str] | None = None) -> None:
+    """Check every variable of ``CONFIG_VARIABLES`` in ``env`` (default ``os.environ``)
+    with the code that reads it; raise the first ``ConfigError``, which names the variable
+    and its value.
+
+    ``netdist launch`` calls this before it starts any rank, so a bad value (a timeout of
+    ``inf``, ``NETDIST_SHM=of``) is one line from the launcher instead of the same error
+    from every rank. The variables a launcher sets per rank (``SET_BY_LAUNCHERS``) are left
+    out. Settings whose rules live in higher layers (the parameter-server knobs in
+    ``netdist.ps.roles``, ``NETDIST_SHM_COPY`` in ``netdist.transport.shm``) are checked by
+    the launcher with those readers, since imports point down only.
+    """
+    env = os.environ if env is None else env
+    config_settings = _settings_from_env(env)
+    if "connect" in config_settings:
+        _connect_mode(config_settings["connect"])
+    for name in SWITCH_VARIABLES:
+        parse_switch(env, name, False)
+    parse_choice(env, "NETDIST_EVENT_LOOP", EVENT_LOOP_CHOICES, "auto")

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import os
 import secrets
 import selectors
@@ -79,7 +80,12 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import IO, Any, TextIO, cast
 
-from netdist.config import parse_host_port
+from netdist.config import (
+    CONFIG_VARIABLES,
+    SET_BY_LAUNCHERS,
+    parse_host_port,
+    validate_environment,
+)
 from netdist.errors import ConfigError
 from netdist.launch_report import (
     RankExit,
@@ -91,6 +97,7 @@ from netdist.launch_report import (
 
 __all__ = [
     "launch",
+    "check_environment",
     "DEFAULT_GRACE_PERIOD",
     "EXIT_TIMEOUT",
     "EXIT_CANNOT_EXECUTE",
@@ -103,6 +110,8 @@ DEFAULT_GRACE_PERIOD = 5.0
 EXIT_TIMEOUT = 124
 EXIT_CANNOT_EXECUTE = 126
 EXIT_NOT_FOUND = 127
+
+_logger = logging.getLogger(__name__)
 
 _DRAIN_TIMEOUT = 2.0
 """How long output is still read after every rank exited (a leftover background
@@ -669,6 +678,42 @@ class _Attempt:
 # --------------------------------------------------------------------------- public
 
 
+def check_environment(env: Mapping[str, str]) -> None:
+    """Check every ``NETDIST_*`` variable in ``env`` that the ranks will read, with the
+    code that reads it, and raise the first ``ConfigError``.
+
+    ``launch()`` calls this before it starts any rank: a bad value is then one line from
+    the launcher (``netdist launch: error: NETDIST_TIMEOUT='inf' is not ...``) rather than
+    the same error from every rank. ``netdist.config.validate_environment`` holds the rules
+    of the configuration layer; the parameter-server knobs and ``NETDIST_SHM_COPY`` are
+    checked by their own readers (the launcher sits above them all). The variables the
+    launcher sets itself are not checked; unknown ``NETDIST_*`` variables are no error
+    (they may be the user's own, or another netdist version's) and are logged at debug
+    level.
+    """
+    from netdist.ps.roles import (
+        PS_MAX_STALENESS_ENV,
+        PS_SERVERS_ENV,
+        max_staleness_from_env,
+        num_servers_from_env,
+    )
+
+    validate_environment(env)
+    num_servers_from_env(env)
+    max_staleness_from_env(env)
+    if env.get("NETDIST_SHM_COPY"):  # imported only then: it brings numpy (0.1 s)
+        from netdist.transport.shm import shared_memory_copy
+
+        shared_memory_copy(None, environ=env)
+    known = CONFIG_VARIABLES | SET_BY_LAUNCHERS | {
+        PS_SERVERS_ENV, PS_MAX_STALENESS_ENV, "NETDIST_SHM_COPY",
+        "NETDIST_CHECKPOINT_FAILPOINT",  # a testing hook (netdist.checkpoint.commit)
+    }
+    unknown = sorted(name for name in env if name.startswith("NETDIST_") and name not in known)
+    if unknown:
+        _logger.debug("environment variables netdist does not read: %s", ", ".join(unknown))
+
+
 def launch(
     cmd: Sequence[str],
     nprocs: int,
@@ -695,8 +740,10 @@ def launch(
     ``grace_period`` is the time between SIGTERM and SIGKILL when ranks are terminated.
 
     Returns the exit status described in the module docstring. Raises ``ConfigError``
-    for invalid arguments. SIGINT/SIGTERM handling is installed only when called from the
-    main thread, and the previous handlers are restored on return.
+    for invalid arguments and for an invalid ``NETDIST_*`` variable in the ranks'
+    environment (``check_environment``), before any rank is started. SIGINT/SIGTERM
+    handling is installed only when called from the main thread, and the previous
+    handlers are restored on return.
     """
     cmd = list(cmd)
     if not cmd or not all(isinstance(part, str) for part in cmd):
@@ -718,6 +765,7 @@ def launch(
     base_env = dict(os.environ)
     if env is not None:
         base_env.update(env)
+    check_environment(base_env)  # before any rank starts: one error, not one per rank
     base_env.update({
         "NETDIST_WORLD_SIZE": str(nprocs),
         "WORLD_SIZE": str(nprocs),

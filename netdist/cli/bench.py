@@ -198,16 +198,19 @@ def _p2p_table(rows: list[dict[str, Any]]) -> str:
 def _main(argv: list[str] | None = None) -> int:
     """``python -m netdist.cli.bench ...``: what the launched workers run."""
     from netdist.cli.main import build_parser
+    from netdist.config import parse_switch
 
     parser = build_parser(("bench",))
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    debug = False
     try:
+        debug = parse_switch(os.environ, "NETDIST_DEBUG", False)
         return run(args)
     except Exception as exc:  # noqa: BLE001 - report like netdist's main, with the rank
         from netdist.cli.main import format_error
         from netdist.errors import ConfigError, NetdistError
 
-        if not isinstance(exc, NetdistError) or os.environ.get("NETDIST_DEBUG"):
+        if not isinstance(exc, NetdistError) or debug:
             raise
         rank = os.environ.get("NETDIST_RANK", "?")
         print(format_error(f"bench (rank {rank})", exc), file=sys.stderr, flush=True)

@@ -19,9 +19,12 @@ when a rank fails the others are stopped, and a summary at the end names the ran
 went away first (failed, exited 0 while others still ran, or was stopped) with its own
 error, then every other rank in one line. On Linux the ranks die with the launcher.
 
+every NETDIST_* variable the ranks will read (NETDIST_TIMEOUT, NETDIST_SHM, ...) is
+checked before any rank starts: a bad value stops the launcher with one line.
+
 exit status: 0 if every rank succeeded; else the first failing rank's exit code
 (128+N if it died from signal N); 130/143 on SIGINT/SIGTERM; 124 on --timeout;
-127/126 if the command cannot be started; 2 for invalid options.
+127/126 if the command cannot be started; 2 for invalid options or NETDIST_* values.
 
 example:
   netdist launch -n 4 -- python train.py --epochs 3

@@ -13,8 +13,9 @@ Errors: a ``ConfigError`` escaping ``run()`` prints ``netdist <cmd>: error: <mes
 exits 2 (as argparse does for bad usage); any other ``NetdistError`` prints the same and
 exits 1 (a ``PeerLostError`` / ``TransportClosedError`` as ``error: PeerLostError:
 <message>``: one line that says this rank only lost a peer, which ``netdist launch``'s
-failure summary marks as a consequence); ``NETDIST_DEBUG=1`` adds the traceback. Ctrl-C
-exits 130. Anything else is a bug and shows its traceback.
+failure summary marks as a consequence); ``NETDIST_DEBUG=1`` adds the traceback (a switch,
+read by ``netdist.config.parse_switch``: a value that is no switch word is itself such a
+one-line error). Ctrl-C exits 130. Anything else is a bug and shows its traceback.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import traceback
 from collections.abc import Sequence
 
 from netdist import __version__
+from netdist.config import parse_switch
 from netdist.errors import ConfigError, NetdistError, PeerLostError, TransportClosedError
 
 __all__ = ["COMMANDS", "build_parser", "format_error", "main"]
@@ -69,8 +71,8 @@ def format_error(cmd: str, exc: BaseException) -> str:
     return f"netdist {cmd}: error: {kind}{exc}"
 
 
-def _report(cmd: str, exc: BaseException) -> None:
-    if os.environ.get("NETDIST_DEBUG", "") not in ("", "0"):
+def _report(cmd: str, exc: BaseException, *, debug: bool) -> None:
+    if debug:
         traceback.print_exception(exc, file=sys.stderr)
     print(format_error(cmd, exc), file=sys.stderr, flush=True)
 
@@ -83,15 +85,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     cmd: str = args._netdist_cmd
+    debug = False
     try:
+        debug = parse_switch(os.environ, "NETDIST_DEBUG", False)  # a bad value: one line
         status = args._netdist_run(args)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except ConfigError as exc:
-        _report(cmd, exc)
+        _report(cmd, exc, debug=debug)
         return EXIT_CONFIG_ERROR
     except NetdistError as exc:
-        _report(cmd, exc)
+        _report(cmd, exc, debug=debug)
         return EXIT_RUNTIME_ERROR
     return 0 if status is None else int(status)
 

@@ -151,8 +151,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     """Join the job from the environment and train; rank 0 prints progress."""
     from netdist.cli.loop import run as run_loop
+    from netdist.config import validate_environment
 
     config = config_from_args(args)
+    validate_environment()  # every NETDIST_* setting now, not when first used mid-job
 
     async def main() -> int:
         from netdist.train.demo import train_worker

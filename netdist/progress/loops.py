@@ -23,21 +23,16 @@ import asyncio
 import os
 from collections.abc import Callable
 
+from netdist.config import EVENT_LOOP_CHOICES, parse_choice
 from netdist.errors import ConfigError
 
 __all__ = ["LoopFactory", "default_loop_factory", "progress_loop_factory", "event_loop_name"]
 
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 
-_CHOICES = ("auto", "uvloop", "asyncio")
-
-
 def default_loop_factory() -> LoopFactory | None:
     """The uvloop loop factory, or ``None`` for the standard loop (see module docstring)."""
-    choice = os.environ.get("NETDIST_EVENT_LOOP", "auto").strip().lower() or "auto"
-    if choice not in _CHOICES:
-        raise ConfigError(
-            f"NETDIST_EVENT_LOOP={choice!r} is not one of {', '.join(_CHOICES)}")
+    choice = parse_choice(os.environ, "NETDIST_EVENT_LOOP", EVENT_LOOP_CHOICES, "auto")
     if choice == "asyncio":
         return None
     try:
@@ -54,7 +49,7 @@ def progress_loop_factory() -> LoopFactory | None:
     """The progress thread's loop: the standard one unless ``NETDIST_EVENT_LOOP=uvloop``
     (see the module docstring for why)."""
     factory = default_loop_factory()  # validates NETDIST_EVENT_LOOP
-    choice = os.environ.get("NETDIST_EVENT_LOOP", "auto").strip().lower()
+    choice = parse_choice(os.environ, "NETDIST_EVENT_LOOP", EVENT_LOOP_CHOICES, "auto")
     return factory if choice == "uvloop" else None
 
 

@@ -621,6 +621,17 @@ def _restore(state: dict[str, Any], model: Sequential, path: UpdatePath,
     return step, epoch, batch
 
 
+def _job_size_text(training: int, job: int) -> str:
+    """``4 training ranks``; when other ranks only serve (a parameter server), also those
+    and the job's size: ``1 training rank and 1 parameter server (2 in the job)``."""
+    text = f"{training} training rank{'s' if training != 1 else ''}"
+    servers = job - training
+    if servers > 0:
+        text += (f" and {servers} parameter server{'s' if servers != 1 else ''} "
+                 f"({job} in the job)")
+    return text
+
+
 async def train_worker(transport: Transport, config: DemoConfig, *,
                        log: Callable[[str], None] | None = print,
                        factories: dict[str, UpdateFactory] | None = None) -> DemoResult:
@@ -701,7 +712,7 @@ async def _train(group: Group, config: DemoConfig, dataset: Dataset, model: Sequ
     if say:
         sizes = "-".join(str(s) for s in [dataset.num_features, *config.hidden,
                                           dataset.num_classes])
-        say(f"netdist demo: {world} training ranks ({group.world_size} in the job), "
+        say(f"netdist demo: {_job_size_text(world, group.world_size)}, "
             f"aggregator {config.aggregator}, MLP {sizes}, {num_train} train / "
             f"{len(dataset.x_test)} test samples, batch {config.batch_size} per rank "
             f"({config.batch_size * world} global), {steps_per_epoch} steps/epoch")

@@ -27,11 +27,13 @@ import mmap
 import os
 import secrets
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from netdist.errors import SharedMemoryError
+from netdist.config import parse_switch
+from netdist.errors import ConfigError, SharedMemoryError
 
 __all__ = ["SegmentLocator", "SharedSegment", "ShmCopy", "host_key", "shared_memory_enabled",
            "shared_memory_copy",
@@ -58,11 +60,11 @@ def host_key() -> bytes:
 
 
 def shared_memory_enabled(setting: bool | None) -> bool:
-    """``setting`` if given, else ``NETDIST_SHM`` (``0``/``false``/``no``/``off`` turn it off)."""
+    """``setting`` if given, else the switch ``NETDIST_SHM`` (default on; see
+    ``netdist.config.parse_switch`` for the accepted words)."""
     if setting is not None:
         return bool(setting)
-    value = os.environ.get("NETDIST_SHM", "1").strip().lower()
-    return value not in ("0", "false", "no", "off")
+    return parse_switch(os.environ, "NETDIST_SHM", True)
 
 
 class ShmCopy(enum.Enum):
@@ -76,17 +78,20 @@ class ShmCopy(enum.Enum):
     """Through the shared segment's slots: copied in by the owner, out by the reader."""
 
 
-def shared_memory_copy(setting: ShmCopy | str | None) -> ShmCopy:
-    """``setting`` if given, else ``NETDIST_SHM_COPY`` (``single``, the default, or
-    ``staged``); anything else is a ``ValueError`` naming the accepted values."""
-    raw = os.environ.get("NETDIST_SHM_COPY", "single") if setting is None else setting
+def shared_memory_copy(setting: ShmCopy | str | None, *,
+                       environ: Mapping[str, str] | None = None) -> ShmCopy:
+    """``setting`` if given, else ``NETDIST_SHM_COPY`` in ``environ`` (default
+    ``os.environ``): ``single``, the default, or ``staged``; anything else is a
+    ``ConfigError`` (a ``ValueError``) naming the accepted values."""
+    env = os.environ if environ is None else environ
+    raw = env.get("NETDIST_SHM_COPY", "single") if setting is None else setting
     if isinstance(raw, ShmCopy):
         return raw
     try:
         return ShmCopy(str(raw).strip().lower())
     except ValueError:
         source = "NETDIST_SHM_COPY" if setting is None else "shm_copy"
-        raise ValueError(f"{source} must be 'single' or 'staged', got {raw!r}") from None
+        raise ConfigError(f"{source} must be 'single' or 'staged', got {raw!r}") from None
 
 
 def _read(path: str) -> str:

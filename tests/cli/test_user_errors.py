@@ -158,3 +158,62 @@ def test_ps_server_uses_the_default(world: str, servers: str) -> None:
     one_line_usage_error(result, f"netdist ps-server: error: rank {rank} is a worker rank "
                                  f"(servers are ranks {servers}); give the worker command "
                                  "after '--', or start workers separately")
+
+
+# --------------------------------------------------------------------------- issue 26, 4-5
+
+BAD_SETTINGS = [
+    ("NETDIST_TIMEOUT", "inf",
+     "NETDIST_TIMEOUT='inf' is not a number of seconds (expected a finite number > 0)"),
+    ("NETDIST_HEARTBEAT_INTERVAL", "nan", "NETDIST_HEARTBEAT_INTERVAL='nan' is not a number "
+                                          "of seconds (expected a finite number > 0)"),
+    ("NETDIST_SHM", "of", "NETDIST_SHM='of' is neither on (1, true, yes, on) nor off "
+                          "(0, false, no, off)"),
+]
+
+
+@pytest.mark.parametrize(("variable", "value", "message"), BAD_SETTINGS)
+def test_launch_checks_netdist_variables_before_starting_any_rank(
+        tmp_path: Path, variable: str, value: str, message: str) -> None:
+    marker = tmp_path / "rank-started"
+    script = ("import os, sys; open(sys.argv[1] + '-' + os.environ['NETDIST_RANK'], 'w')"
+              ".close()")
+    result = netdist("launch", "-n", "2", "--", sys.executable, "-c", script, str(marker),
+                     env={variable: value})
+    one_line_usage_error(result, f"netdist launch: error: {message}")
+    assert result.stdout == ""
+    assert list(tmp_path.iterdir()) == []  # no rank was started
+
+
+def test_launch_starts_ranks_when_the_variables_are_good(tmp_path: Path) -> None:
+    # the counterpart of the test above: the same command does start its ranks
+    marker = tmp_path / "rank-started"
+    script = ("import os, sys; open(sys.argv[1] + '-' + os.environ['NETDIST_RANK'], 'w')"
+              ".close()")
+    result = netdist("launch", "-n", "2", "--", sys.executable, "-c", script, str(marker),
+                     env={"NETDIST_TIMEOUT": "30", "NETDIST_SHM": "off"})
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-started-0", "rank-started-1"]
+
+
+@pytest.mark.parametrize(("variable", "value", "message"), BAD_SETTINGS)
+def test_worker_reports_a_bad_variable_in_one_line(variable: str, value: str,
+                                                   message: str) -> None:
+    env = {"NETDIST_RANK": "0", "NETDIST_WORLD_SIZE": "1",
+           "NETDIST_COORDINATOR": "127.0.0.1:0", variable: value}
+    result = netdist("worker", "--epochs", "1", env=env)
+    one_line_usage_error(result, f"netdist worker: error: {message}")
+    assert result.stdout == ""  # refused before joining the job
+
+
+def test_demo_checks_netdist_variables_before_starting_any_rank() -> None:
+    result = netdist("demo", "-n", "2", "--epochs", "1", env={"NETDIST_TIMEOUT": "1e999"})
+    one_line_usage_error(result, "netdist demo: error: NETDIST_TIMEOUT='1e999' is not a "
+                                 "number of seconds (expected a finite number > 0)")
+    assert result.stdout == ""  # no rank was started
+
+
+def test_a_bad_netdist_debug_is_one_line_too() -> None:
+    result = netdist("worker", "--epochs", "1", env={"NETDIST_DEBUG": "maybe"})
+    one_line_usage_error(result, "netdist worker: error: NETDIST_DEBUG='maybe' is neither on "
+                                 "(1, true, yes, on) nor off (0, false, no, off)")

@@ -38,6 +38,7 @@ async def test_demo_reaches_95_percent(aggregator):
     assert results[0].test_accuracy >= 0.95
     assert results[0].steps == 20 * 12
     assert lines[-1] == f"final test accuracy: {results[0].test_accuracy:.1%}"
+    assert lines[0].startswith("netdist demo: 4 training ranks, aggregator ")  # said once
     epoch_lines = [line for line in lines if line.startswith("epoch")]
     assert len(epoch_lines) == 20
     assert re.match(r"epoch  1/20  step    12/240  loss \d+\.\d{4}  samples/s [\d,]+  "
@@ -150,7 +151,7 @@ def test_netdist_demo_over_tcp():
         capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    assert "[rank 0] netdist demo: 2 training ranks" in out
+    assert "[rank 0] netdist demo: 2 training ranks, aggregator ring" in out
     assert re.search(r"^\[rank 0\] epoch  2/2  step    46/46  loss ", out, re.M), out
     match = re.search(r"^\[rank 0\] final test accuracy: (\d+\.\d)%$", out, re.M)
     assert match, out
@@ -190,7 +191,8 @@ async def test_serving_rank_hook():
     assert served == ["done"]
     assert server.steps == 0 and server.test_accuracy != server.test_accuracy  # NaN
     assert trainer.steps == 23 and trainer.test_accuracy > 0.2  # chance is 0.1
-    assert lines[0].startswith("netdist demo: 1 training ranks (2 in the job)")
+    assert lines[0].startswith("netdist demo: 1 training rank and 1 parameter server (2 in "
+                               "the job), ")
 
 
 async def run_job_errors(n: int, config: DemoConfig, lines: list[str]) -> list[BaseException]:
