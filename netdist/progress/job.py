@@ -26,11 +26,13 @@ from typing import Any, TypeVar
 
 from netdist.collectives.group import Group
 from netdist.config import DistributedConfig
+from netdist.errors import NetdistError
 from netdist.progress.handle import Handle
 from netdist.progress.loops import LoopFactory
 from netdist.progress.proxy import Awaiting, Blocking, unwrap, unwrap_arguments
 from netdist.progress.thread import ProgressThread
 from netdist.transport.rendezvous import OnCoordinatorReady
+from netdist.transport.setup import cut_for_user
 from netdist.transport.tcp import TcpTransport
 
 __all__ = ["Job", "connect"]
@@ -70,9 +72,22 @@ class Job:
         ``config`` and ``overrides`` mean what they mean for ``netdist.init()``. Joining is
         bounded by the configuration's timeouts (``join_timeout``); on failure the thread
         is stopped and the same ``netdist.errors`` exception ``init()`` raises is raised
-        here. Rank 0 calls ``on_coordinator_ready((host, port))`` (on the progress
-        thread) once its coordinator is bound, which is how a coordinator port 0 is shared.
+        here, its traceback cut to the caller's frames unless ``NETDIST_DEBUG=1``
+        (``netdist.transport.setup.cut_for_user``). Rank 0 calls
+        ``on_coordinator_ready((host, port))`` (on the progress thread) once its
+        coordinator is bound, which is how a coordinator port 0 is shared.
         """
+        try:
+            return cls._connect(config, loop_factory, on_coordinator_ready, overrides)
+        except NetdistError as exc:
+            cut_for_user(exc)
+            raise  # a bare re-raise: this frame stays out of the traceback
+
+    @classmethod
+    def _connect(cls, config: DistributedConfig | None, loop_factory: LoopFactory | None,
+                 on_coordinator_ready: OnCoordinatorReady | None,
+                 overrides: dict[str, Any]) -> Job:
+        """``connect`` with its errors as raised."""
         if config is None:
             config = DistributedConfig.from_env(None, **overrides)
         elif overrides:
@@ -156,8 +171,16 @@ class Job:
 
 
 def connect(config: DistributedConfig | None = None, **overrides: Any) -> Job:
-    """``Job.connect()``: join a job from synchronous code (see ``netdist.progress.job``)."""
-    return Job.connect(config, **overrides)
+    """``Job.connect()``: join a job from synchronous code (see ``netdist.progress.job``).
+
+    A joining error is raised from the caller's line, its traceback cut to the caller's
+    frames unless ``NETDIST_DEBUG=1``, as ``Job.connect`` does.
+    """
+    try:
+        return Job.connect(config, **overrides)
+    except NetdistError as exc:
+        cut_for_user(exc)
+        raise  # a bare re-raise: this frame stays out of the traceback
 
 
 async def _join(config: DistributedConfig, on_coordinator_ready: OnCoordinatorReady | None

@@ -19,6 +19,10 @@ coordinator it hosts, so the bound is per process):
 * refusals and failed handshakes are logged at most once per ``refusal_log_interval``
   (the first in full, the others counted), so a flood cannot flood the log.
 
+``RefusalRecord`` remembers handshakes the coordinator refused (a wrong token, another
+job id or world size), per claimed rank and bounded in size, so that a rendezvous that
+times out can say *why* a rank never arrived instead of only that it did not.
+
 ``raise_nofile_limit`` lifts the soft descriptor limit towards the hard one when a
 transport starts, as Go's runtime does, so the common 1,024 default is not the ceiling.
 """
@@ -31,7 +35,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -47,6 +51,9 @@ __all__ = [
     "AdmissionStats",
     "Refusal",
     "RateLimitedLog",
+    "RefusalEntry",
+    "RefusalRecord",
+    "MAX_REFUSAL_RANKS",
     "count_open_fds",
     "soft_fd_limit",
     "raise_nofile_limit",
@@ -62,6 +69,12 @@ _RECOUNT_SECONDS = 0.1
 """How stale the open-descriptor count may be while the process is far from its limit."""
 
 _FD_DIRS = ("/proc/self/fd", "/dev/fd")
+
+MAX_REFUSAL_RANKS = 16
+"""Claimed ranks a ``RefusalRecord`` keeps apart; refusals beyond share one entry."""
+
+_MAX_REFUSAL_TEXT = 200
+"""Longest reason or address a ``RefusalRecord`` keeps (longer ones are cut)."""
 
 
 def count_open_fds() -> int | None:
@@ -329,3 +342,119 @@ class AdmissionControl:
         stats = self.stats()
         self.log.warning("netdist: %s refused a connection from %s before its handshake: %s;"
                          " %d refused so far", self.owner, where, why, stats.refused)
+
+
+@dataclass(slots=True)
+class RefusalEntry:
+    """Refused handshakes that claimed one rank (or, for ``RefusalRecord.other``, none
+    of the ranks kept apart): how many, and the last one's reason and address."""
+
+    count: int
+    reason: str
+    address: str
+    sequence: int
+    """Order of the last refusal counted here among all of the record's refusals."""
+
+    def describe(self, claiming: str = "", *, other: bool = False) -> str:
+        """``"refused 2 connections claiming rank 1, the last from ADDR: REASON"``
+        (``claiming`` is `` claiming rank 1``; ``other`` says "other connections")."""
+        plural = "s" if self.count != 1 else ""
+        which = " other" if other else ""
+        last = ", the last" if self.count != 1 else ""
+        return (f"refused {self.count}{which} connection{plural}{claiming}{last} from "
+                f"{self.address}: {self.reason}")
+
+
+class RefusalRecord:
+    """Handshakes a coordinator refused, per claimed rank, in bounded memory.
+
+    Why: a rank started with the wrong ``NETDIST_TOKEN`` fails at once, but rank 0 only
+    sees that it never registered; when the rendezvous times out, ``describe`` tells
+    rank 0's user which connections were refused and why (the coordinator's
+    ``RendezvousTimeoutError`` message).
+
+    The rank a refused connection claimed is unproven (its AUTH frame did not verify),
+    and anyone who reaches the port may claim anything, so memory is bounded whatever
+    strangers send: only ranks in ``0..world_size-1`` are kept apart, at most
+    ``max_ranks`` of them (the first ones refused); every other refusal is counted in
+    the one ``other`` entry. Each entry holds a count and the last reason and address,
+    each cut to a fixed length. Not thread-safe: it lives on the coordinator's loop.
+    """
+
+    def __init__(self, world_size: int, *, max_ranks: int = MAX_REFUSAL_RANKS) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if max_ranks < 0:
+            raise ValueError(f"max_ranks must be >= 0, got {max_ranks}")
+        self.world_size = world_size
+        self.max_ranks = max_ranks
+        self._by_rank: dict[int, RefusalEntry] = {}
+        self._other: RefusalEntry | None = None
+        self._sequence = 0
+
+    @property
+    def total(self) -> int:
+        """Refusals recorded so far, all entries together."""
+        other = 0 if self._other is None else self._other.count
+        return other + sum(entry.count for entry in self._by_rank.values())
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The claimed ranks kept apart (sorted); never more than ``max_ranks``."""
+        return tuple(sorted(self._by_rank))
+
+    @property
+    def other(self) -> RefusalEntry | None:
+        """Refusals that claimed no rank kept apart (out of range, beyond ``max_ranks``,
+        or none: the connection failed before its AUTH frame)."""
+        return self._other
+
+    def get(self, rank: int) -> RefusalEntry | None:
+        """The refusals of connections that claimed ``rank``, if any were kept apart."""
+        return self._by_rank.get(rank)
+
+    def add(self, address: str, reason: str, claimed_rank: int | None = None) -> None:
+        """Count one refused connection from ``address`` (``host:port``) for ``reason``."""
+        self._sequence += 1
+        address, reason = _cut(address), _cut(reason)
+        entry: RefusalEntry | None
+        if (claimed_rank is not None and 0 <= claimed_rank < self.world_size
+                and (claimed_rank in self._by_rank or len(self._by_rank) < self.max_ranks)):
+            entry = self._by_rank.get(claimed_rank)
+            if entry is None:
+                entry = self._by_rank[claimed_rank] = RefusalEntry(0, reason, address, 0)
+        else:
+            entry = self._other
+            if entry is None:
+                entry = self._other = RefusalEntry(0, reason, address, 0)
+        entry.count += 1
+        entry.reason, entry.address, entry.sequence = reason, address, self._sequence
+
+    def describe(self, ranks: Iterable[int], *, limit: int = 3) -> str:
+        """What was refused, the refusals claiming ``ranks`` first (at most ``limit`` of
+        them named), the rest summed up: ``"refused 1 connection claiming rank 1 from
+        127.0.0.1:5555: bad token (...)"``. Empty when nothing was refused."""
+        parts: list[str] = []
+        shown: set[int] = set()
+        for rank in ranks:
+            entry = self._by_rank.get(rank)
+            if entry is None or rank in shown:
+                continue
+            if len(shown) == limit:
+                break
+            shown.add(rank)
+            parts.append(entry.describe(f" claiming rank {rank}"))
+        rest = [entry for rank, entry in self._by_rank.items() if rank not in shown]
+        if self._other is not None:
+            rest.append(self._other)
+        if rest:
+            last = max(rest, key=lambda entry: entry.sequence)
+            summary = RefusalEntry(sum(entry.count for entry in rest), last.reason,
+                                   last.address, last.sequence)
+            parts.append(summary.describe(other=bool(parts)))
+        return "; ".join(parts)
+
+
+def _cut(text: str) -> str:
+    """``text``, cut to ``_MAX_REFUSAL_TEXT`` characters."""
+    return text if len(text) <= _MAX_REFUSAL_TEXT else text[:_MAX_REFUSAL_TEXT - 3] + "..."

@@ -19,6 +19,14 @@ mismatch is refused (``RendezvousError`` on the offender, the job continues to w
 the right process); ranks that never arrive make every registered rank raise
 ``RendezvousTimeoutError`` naming the missing ranks. Strangers and garbage on the port
 are logged and dropped without disturbing the rendezvous.
+
+Failures say what to do. The coordinator keeps a bounded record of the handshakes it
+refused (``RefusalRecord``: per claimed rank, a count and the last reason and address),
+so its timeout names the connections it refused and why ("refused 1 connection claiming
+rank 1 from 127.0.0.1:5555: bad token (check that NETDIST_TOKEN is the same on every
+rank)"). A rank still retrying the coordinator after ``RETRY_NOTICE_SECONDS`` (at most
+half its join timeout) logs one warning naming the address it tries, for how much longer,
+and the variables to check; its final ``ConnectError`` says the same.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from netdist.errors import (
     RendezvousError,
     RendezvousTimeoutError,
 )
-from netdist.transport.admission import AdmissionControl, Release
+from netdist.transport.admission import AdmissionControl, RefusalRecord, Release
 from netdist.transport.connection import (
     RETRY_FIRST_PAUSE,
     FrameConnection,
@@ -59,13 +67,34 @@ from netdist.wire import (
     encode_control,
 )
 
-__all__ = ["PeerAddress", "Coordinator", "RendezvousClient", "rendezvous_identity"]
+__all__ = ["PeerAddress", "Coordinator", "RendezvousClient", "rendezvous_identity",
+           "RETRY_NOTICE_SECONDS", "COORDINATOR_ADVICE"]
 
 logger = logging.getLogger("netdist.transport")
 
 _TABLE_GRACE = 2.0
 """Extra seconds a rank waits for the table beyond connect_timeout, so the coordinator's
 own timeout report (which names the missing ranks) arrives first."""
+
+RETRY_NOTICE_SECONDS = 5.0
+"""A rank that has not reached the coordinator after this long (or after half its join
+timeout, if that is sooner) logs one warning saying what it is waiting for: silence until
+the timeout looked like a hang."""
+
+COORDINATOR_ADVICE = ("check that rank 0 is running and that NETDIST_COORDINATOR (or "
+                      "MASTER_ADDR / MASTER_PORT) is its address")
+"""What to check when a rank cannot reach the coordinator."""
+
+_REFUSAL_ADVICE: dict[str, tuple[str, str]] = {
+    "token": ("bad token", "check that NETDIST_TOKEN is the same on every rank"),
+    "job_id": ("another job id", "check that NETDIST_JOB_ID is the same on every rank"),
+    "world_size": ("another world size", "check that NETDIST_WORLD_SIZE (or WORLD_SIZE) "
+                   "is the same on every rank"),
+    "rank_range": ("a rank outside the job", "check NETDIST_RANK (or RANK): ranks are 0 to "
+                   "the world size - 1"),
+    "version": ("another handshake version", "run the same netdist version on every rank"),
+}
+"""Per handshake refusal code: what the refusal means in a few words, and what to check."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +138,9 @@ class Coordinator:
         """Bounds connections that have not authenticated (shared with rank 0's listener
         when ``TcpTransport`` starts the coordinator)."""
         self._identity = rendezvous_identity(config, "coordinator")
+        self.refusals = RefusalRecord(config.world_size)
+        """Handshakes refused so far (wrong token, job id, world size...), bounded; the
+        timeout report names them."""
         self._loop = asyncio.get_running_loop()
         self._server: asyncio.Server | None = None
         self.address: tuple[str, int] = config.coordinator
@@ -184,8 +216,8 @@ class Coordinator:
 
     async def _serve(self, conn: FrameConnection) -> None:
         where = conn.peername()
+        handshake = ServerHandshake(self._identity, peer_label=where)
         try:
-            handshake = ServerHandshake(self._identity, peer_label=where)
             step = await run_handshake(
                 conn, handshake, deadline=self.admission.handshake_deadline(
                     self._loop.time(), self.config.join_timeout),
@@ -203,6 +235,8 @@ class Coordinator:
                 self._refuse(conn, "bad_request",
                              f"unexpected {frame.kind.name} frame after registration")
         except (NetdistError, OSError) as exc:
+            if isinstance(exc, AuthenticationError) and not conn.authenticated:
+                self._record_refusal(where, exc, handshake.claimed_rank)
             if not conn.authenticated:  # a stranger: rate-limited, a flood is no log flood
                 self.admission.log.warning(
                     "netdist coordinator: dropped connection from %s: %s", where, exc)
@@ -216,6 +250,20 @@ class Coordinator:
         finally:
             if conn.failed:  # closed: keep no reference, strangers must not accumulate
                 self._conns.discard(conn)
+
+    def _record_refusal(self, where: str, exc: AuthenticationError,
+                        claimed_rank: int | None) -> None:
+        """Remember a handshake this coordinator refused for a reason a user can fix
+        (``_REFUSAL_ADVICE``), for the timeout report; bounded (``RefusalRecord``).
+
+        Only refusals of a connection that sent its AUTH frame (``claimed_rank`` known)
+        count: after AUTH the coordinator either refuses or admits, so the code is its
+        own verdict (wrong token, job id, world size), never one a stranger's ERROR frame
+        made up.
+        """
+        advice = _REFUSAL_ADVICE.get(exc.code or "")
+        if advice is not None and claimed_rank is not None:
+            self.refusals.add(where, f"{advice[0]} ({advice[1]})", claimed_rank)
 
     def _refuse(self, conn: FrameConnection, code: str, reason: str,
                 missing: list[int] | None = None) -> None:
@@ -273,11 +321,31 @@ class Coordinator:
         reason = (f"rendezvous timed out after {self.config.join_timeout:.1f}s: "
                   f"rank{'s' if len(missing) != 1 else ''} "
                   f"{', '.join(map(str, missing))} never arrived "
-                  f"({len(self._registered)} of {self.config.world_size} registered)")
+                  f"({len(self._registered)} of {self.config.world_size} registered)"
+                  f"{self._advice(missing)}")
         logger.warning("netdist coordinator: %s", reason)
         self._finish()
         for reg in list(self._registered.values()):
             self._refuse(reg.conn, "timeout", reason, missing)
+
+    def _advice(self, missing: list[int]) -> str:
+        """What the timeout report adds after naming the ``missing`` ranks: the
+        connections refused (and why), then what to check for ranks never seen at all."""
+        parts = []
+        refused = self.refusals.describe(missing)
+        if refused:
+            parts.append(f"the coordinator {refused}")
+        unseen = [rank for rank in missing if self.refusals.get(rank) is None]
+        if unseen:
+            one = len(unseen) == 1
+            names = ", ".join(map(str, unseen[:4])) + (
+                f" and {len(unseen) - 4} more" if len(unseen) > 4 else "")
+            who = f"rank {names} was" if one else f"ranks {names} were"
+            parts.append(f"check that {who} started and that {'its' if one else 'their'} "
+                         f"NETDIST_COORDINATOR (or MASTER_ADDR / MASTER_PORT) points at "
+                         f"this coordinator ({PeerAddress(*self.address)}), with the same "
+                         f"NETDIST_WORLD_SIZE")
+        return "".join(f"; {part}" for part in parts)
 
     def _finish(self) -> None:
         if self._timer is not None:
@@ -330,12 +398,44 @@ class RendezvousClient:
         self._conn = conn
 
     @classmethod
-    async def connect(cls, config: DistributedConfig, *, deadline: float) -> RendezvousClient:
+    async def connect(cls, config: DistributedConfig, *, deadline: float,
+                      notice_after: float | None = None) -> RendezvousClient:
         """Reach and authenticate with the coordinator, retrying until ``deadline``.
 
+        Still trying after ``notice_after`` seconds (default ``RETRY_NOTICE_SECONDS``, or
+        half the join timeout if that is sooner; tests pass 0), it logs one warning on
+        the ``netdist.transport`` logger: the address it tries, for how much longer, and
+        what to check, so a rank whose rank 0 is not running does not look hung.
+
         Raises ``ConnectError`` (unreachable), ``AuthenticationError`` (refused),
-        ``RendezvousError`` (world-size mismatch) or ``NetdistTimeoutError``.
+        ``RendezvousError`` (world-size mismatch) or ``NetdistTimeoutError``; the
+        messages of the first three end with what to check.
         """
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if notice_after is None:
+            notice_after = min(RETRY_NOTICE_SECONDS, config.join_timeout / 2)
+        notice = loop.call_at(started + notice_after, _still_trying, config, loop,
+                              started, deadline)
+        try:
+            return await cls._connect(config, deadline)
+        except AuthenticationError as exc:
+            advice = _REFUSAL_ADVICE.get(exc.code or "")
+            if advice is None:
+                raise
+            raise AuthenticationError(f"{exc} ({advice[1]})", code=exc.code) from exc
+        except ConnectError as exc:
+            # the cause stays the last OS error, as for every ConnectError of a connect
+            raise ConnectError(
+                f"{exc}; tried for {loop.time() - started:.1f}s "
+                f"({_timeout_variable(config)}): {COORDINATOR_ADVICE}"
+            ) from (exc.__cause__ or exc)
+        finally:
+            notice.cancel()
+
+    @classmethod
+    async def _connect(cls, config: DistributedConfig, deadline: float) -> RendezvousClient:
+        """``connect`` without the notice and the advice."""
         host, port = config.coordinator
         where = f"{host}:{port}"
         label = f"coordinator at {where}"
@@ -357,7 +457,7 @@ class RendezvousClient:
                 conn.close(send_bye=False)
                 await conn.wait_closed(1.0)
                 if exc.code in ("world_size", "rank_range"):
-                    raise RendezvousError(str(exc)) from None
+                    raise RendezvousError(f"{exc} ({_REFUSAL_ADVICE[exc.code][1]})") from exc
                 raise
             except ConnectError:
                 # dropped mid-handshake (the coordinator may be restarting, or at its bound
@@ -419,6 +519,23 @@ class RendezvousClient:
         """Close the coordinator connection (bounded wait)."""
         self._conn.close(send_bye=False, reason="rendezvous finished")
         await self._conn.wait_closed(1.0)
+
+
+def _timeout_variable(config: DistributedConfig) -> str:
+    """The environment variable that sets ``config.join_timeout``."""
+    return "NETDIST_CONNECT_TIMEOUT" if config.connect_timeout is not None else "NETDIST_TIMEOUT"
+
+
+def _still_trying(config: DistributedConfig, loop: asyncio.AbstractEventLoop,
+                  started: float, deadline: float) -> None:
+    """The one warning of a rank that has not reached the coordinator yet."""
+    host, port = config.coordinator
+    now = loop.time()
+    logger.warning(
+        "netdist: rank %d is still trying to reach the coordinator at %s (for %.1fs now); "
+        "it keeps trying for %.1fs more (the join timeout is %.1fs, %s): %s",
+        config.rank, PeerAddress(host, port), now - started, max(deadline - now, 0.0),
+        config.join_timeout, _timeout_variable(config), COORDINATOR_ADVICE)
 
 
 def _valid_entry(entry: Any) -> bool:

@@ -475,6 +475,15 @@ class ServerHandshake(_HandshakeSide):
         self._authenticated = False
         self._state = "wait-hello"  # wait-hello -> wait-auth -> done | failed
 
+    @property
+    def claimed_rank(self) -> int | None:
+        """The rank the connecting side put in its AUTH frame (``None`` before a
+        well-formed AUTH arrived). Unproven unless the handshake succeeded: anyone can
+        claim any rank in 0..2**32-1, so use it for diagnostics only (the coordinator
+        tells which rank a refused connection claimed to be, see
+        ``netdist.transport.admission.RefusalRecord``)."""
+        return self._peer_rank()
+
     def _reject(self, reason: str, code: str | None = None) -> HandshakeStep:
         """We refuse the peer: tell it why (naming us only if it proved the token)."""
         self._state = "failed"
