@@ -6,10 +6,13 @@ a failed build, so a build that exits 0 and prints no warning has every internal
 resolved. README.md lives outside the site, so its links into ``docs/`` are checked here
 by hand, against the files and the anchors MkDocs gives their headings. The layer map and
 the exception tree are drawn once, on their own pages, and the README stays a front page.
+The pages show the examples by including ``examples/NAME.py`` (``pymdownx.snippets``): the
+built pages hold each file's code, and ``examples/README.md``'s links resolve.
 """
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import subprocess
@@ -22,10 +25,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 README = REPO_ROOT / "README.md"
 DOCS = REPO_ROOT / "docs"
 MKDOCS_YML = REPO_ROOT / "mkdocs.yml"
+EXAMPLES_README = REPO_ROOT / "examples" / "README.md"
 BUILD_TIMEOUT = 300.0
 
 _FENCE = re.compile(r"^```.*?^```[ \t]*$", re.M | re.S)
 _LINK = re.compile(r"\[(?:[^\]]|\][^(])*?\]\(([^)\s]+)\)")
+_INCLUDE = re.compile(r'^--8<-- "(examples/[\w.-]+)"$', re.M)
 
 
 def _pages() -> set[str]:
@@ -61,8 +66,25 @@ def test_site_builds_strict_without_warnings(tmp_path: Path) -> None:
     assert "WARNING" not in output, output
     # every page of the nav became a page of the site
     for page in _nav_pages():
-        html = site / ("index.html" if page == "index.md" else f"{page[:-3]}/index.html")
-        assert html.is_file(), (page, sorted(p.name for p in site.iterdir()))
+        assert _built(site, page).is_file(), (page, sorted(p.name for p in site.iterdir()))
+    # every included example is on its page, whole, where the marker was
+    included = 0
+    for path in sorted(DOCS.glob("*.md")):
+        files = _INCLUDE.findall(path.read_text(encoding="utf-8"))
+        if not files:
+            continue
+        page = _built(site, path.name).read_text(encoding="utf-8")
+        assert "--8&lt;--" not in page and "--8<--" not in page, path.name
+        text = html.unescape(re.sub(r"<[^>]*>", "", page))
+        for file in files:
+            code = (REPO_ROOT / file).read_text(encoding="utf-8")
+            assert code.rstrip("\n") in text, f"{path.name}: {file} is not on the built page"
+            included += 1
+    assert included >= 17  # every docs example but the README's quickstart (issue 26)
+
+
+def _built(site: Path, page: str) -> Path:
+    return site / ("index.html" if page == "index.md" else f"{page[:-3]}/index.html")
 
 
 def test_config_is_strict_and_nav_lists_every_page_once() -> None:
@@ -78,17 +100,28 @@ def test_config_is_strict_and_nav_lists_every_page_once() -> None:
     assert nav[0] == "index.md" and "PROTOCOL.md" in nav
 
 
-def test_readme_links_into_docs_resolve() -> None:
-    links = _LINK.findall(_prose(README))
+def _check_local_links(page: Path) -> None:
+    """Every relative link of a page outside the site (rendered by GitHub) names an existing
+    file and, after ``#``, one of its headings."""
+    name = page.relative_to(REPO_ROOT).as_posix()
+    links = _LINK.findall(_prose(page))
     local = [link for link in links if not re.match(r"[a-z]+://", link)]
-    assert local, "the README links to no page"
+    assert local, f"{name} links to no page"
     for link in local:
         target, _, anchor = link.partition("#")
-        assert not target.startswith("/"), f"README: {link} must be a relative path"
-        path = (REPO_ROOT / target) if target else README
-        assert path.is_file(), f"README links to {link}, which does not exist"
+        assert not target.startswith("/"), f"{name}: {link} must be a relative path"
+        path = (page.parent / target).resolve() if target else page
+        assert path.is_file(), f"{name} links to {link}, which does not exist"
         if anchor:
-            assert anchor in _anchors(path), f"README links to {link}: no such heading"
+            assert anchor in _anchors(path), f"{name} links to {link}: no such heading"
+
+
+def test_readme_links_into_docs_resolve() -> None:
+    _check_local_links(README)
+
+
+def test_examples_readme_links_resolve() -> None:
+    _check_local_links(EXAMPLES_README)
 
 
 def test_readme_is_a_front_page_linking_every_page() -> None:
