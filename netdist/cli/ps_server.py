@@ -19,6 +19,7 @@ as plain text (``_DESCRIPTION``): argparse prints a description verbatim.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -94,8 +95,9 @@ def run(args: argparse.Namespace) -> int:
                    else num_servers_from_env(world_size=config.world_size))
     roles = ps_roles(config.world_size, num_servers)
     if args.timeout is not None:
-        if not args.timeout > 0:
-            raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+        if not (math.isfinite(args.timeout) and args.timeout > 0):
+            raise ConfigError(f"--timeout must be a finite number of seconds > 0, got "
+                              f"{args.timeout}")
         config = config.replace(timeout=args.timeout)
     if not roles.is_server(config.rank):
         cmd = _worker_command(args)

@@ -63,6 +63,7 @@ ring``) and do not checkpoint: other combinations raise ``ConfigError``.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -189,8 +190,9 @@ class DemoConfig:
         if self.checkpoint_dir and self.aggregator in _SERVER_MODES:
             raise ConfigError(f"--aggregator {self.aggregator} keeps the parameters on the "
                               "servers and cannot checkpoint; use ring, topk, fp16 or ps")
-        if self.timeout is not None and not self.timeout > 0:
-            raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if self.timeout is not None and not (math.isfinite(self.timeout) and self.timeout > 0):
+            raise ConfigError(f"timeout must be a finite number of seconds > 0, got "
+                              f"{self.timeout}")
         self._check_pipeline()
 
     @property

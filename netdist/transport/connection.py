@@ -303,9 +303,10 @@ class FrameConnection(asyncio.BufferedProtocol):
         return now - self.last_sent, now - self.last_received
 
     def watch_link(self, now: float) -> None:
-        """Feed the kernel's counters for this connection to ``link`` (each liveness tick)."""
+        """Feed the kernel's counters for this connection to ``link`` (each liveness tick,
+        after ``observe``)."""
         if self.transport is not None:
-            self.link.observe(tcp_stats(self.transport), now)
+            self.link.observe(tcp_stats(self.transport), now, self.last_received)
 
     # -- asyncio protocol callbacks ------------------------------------------------------
 
@@ -802,7 +803,7 @@ class FrameConnection(asyncio.BufferedProtocol):
             left = queued
             if left == 0 and acked_by is None:
                 acked_by = now + ACKED_CLOSE_GRACE
-            stalled = now - moved_at > self.link.window(liveness_window, now)
+            stalled = now - moved_at > self.link.window(liveness_window)
             if now >= deadline or (acked_by is not None and now >= acked_by) or (
                     left is not None and left > 0 and stalled):
                 break

@@ -156,45 +156,47 @@ def cap_retransmit_backoff(sock: socket.socket, seconds: float = RETRANSMIT_BACK
 
 
 class LinkWatch:
-    """Per connection: is the link losing packets while the peer's kernel still answers?
+    """Per connection: was the link losing packets while the peer was still talking?
 
-    ``observe`` is called on every liveness tick with the kernel's counters;
-    ``window(base, now)`` is then the silence to allow before presuming the peer dead:
-    ``base``, or ``base * LOSSY_LINK_FACTOR`` while, within the last ``base`` seconds,
-    the connection lost packets (retransmissions, out-of-order arrivals) and the peer's
-    kernel acknowledged something.
+    ``observe`` is called on every liveness tick with the kernel's counters and the loop
+    time this side last heard from the peer; ``window(base)`` is then the silence to
+    allow before presuming the peer dead: ``base * LOSSY_LINK_FACTOR`` when the
+    connection lost packets (retransmissions, segments that arrived out of order) within
+    ``base`` seconds before the peer went quiet, else ``base``.
+
+    Only losses the peer was heard after count: a partition or a stopped process on a
+    clean link makes this side retransmit its heartbeats too, but those losses follow the
+    silence, so such a peer is still named within the plain window. On a link that was
+    already losing packets a stalled stream and a stopped peer look alike until the
+    stretched window ends, which is therefore the bound on naming a rank there.
     """
 
-    __slots__ = ("_last", "_loss_at", "_ack_at")
+    __slots__ = ("_last", "_loss_at", "_loss_heard_at", "_heard_at")
 
     def __init__(self) -> None:
         self._last: TcpStats | None = None
         self._loss_at = float("-inf")
-        self._ack_at = float("-inf")
+        self._loss_heard_at = float("-inf")
+        self._heard_at = float("-inf")
 
-    def observe(self, stats: TcpStats | None, now: float) -> None:
-        """Record what changed since the last observation at loop time ``now``."""
-        if stats is None:
-            return
-        last, self._last = self._last, stats
-        if stats.retransmits > 0 or stats.backoff > 0:
-            self._loss_at = now
-        self._ack_at = max(self._ack_at, now - stats.last_ack_recv)
-        if last is None:
-            return
-        if stats.total_retrans > last.total_retrans:
-            self._loss_at = now
-        if (stats.rcv_ooopack is not None and last.rcv_ooopack is not None
-                and stats.rcv_ooopack > last.rcv_ooopack):
-            self._loss_at = now
-        if (stats.bytes_acked is not None and last.bytes_acked is not None
-                and stats.bytes_acked > last.bytes_acked):
-            self._ack_at = now
+    def observe(self, stats: TcpStats | None, now: float, heard_at: float) -> None:
+        """Record the kernel's counters at loop time ``now``; ``heard_at`` is when this
+        side last received anything from the peer."""
+        self._heard_at = heard_at
+        if stats is not None:
+            last, self._last = self._last, stats
+            if stats.retransmits > 0 or stats.backoff > 0 or (last is not None and (
+                    stats.total_retrans > last.total_retrans
+                    or (stats.rcv_ooopack or 0) > (last.rcv_ooopack or 0))):
+                self._loss_at = now
+        if heard_at >= self._loss_at:
+            self._loss_heard_at = self._loss_at  # the peer spoke after that loss
 
-    def lossy(self, base: float, now: float) -> bool:
-        """True while the link lost packets and the peer's kernel answered within ``base``."""
-        return now - self._loss_at <= base and now - self._ack_at <= base
+    def lossy(self, base: float) -> bool:
+        """True when the link lost packets within ``base`` seconds before the peer went
+        quiet (see the class docstring)."""
+        return self._heard_at - self._loss_heard_at <= base
 
-    def window(self, base: float, now: float) -> float:
+    def window(self, base: float) -> float:
         """The silence allowed before presuming the peer dead (see the class docstring)."""
-        return base * LOSSY_LINK_FACTOR if self.lossy(base, now) else base
+        return base * LOSSY_LINK_FACTOR if self.lossy(base) else base

@@ -217,3 +217,17 @@ def test_a_bad_netdist_debug_is_one_line_too() -> None:
     result = netdist("worker", "--epochs", "1", env={"NETDIST_DEBUG": "maybe"})
     one_line_usage_error(result, "netdist worker: error: NETDIST_DEBUG='maybe' is neither on "
                                  "(1, true, yes, on) nor off (0, false, no, off)")
+
+
+@pytest.mark.parametrize("value", ["inf", "1e999", "nan"])
+@pytest.mark.parametrize("command", ["demo", "ps-server"])
+def test_a_timeout_flag_must_be_finite(command: str, value: str) -> None:
+    args = ["demo", "-n", "2", "--epochs", "1"] if command == "demo" else ["ps-server"]
+    result = netdist(*args, "--timeout", value,
+                     env={"NETDIST_RANK": "0", "NETDIST_WORLD_SIZE": "2"})
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    shown = "nan" if value == "nan" else "inf"  # what float() made of it
+    assert "finite number of seconds > 0, got " + shown in result.stderr, result.stderr
+    assert result.stdout == ""  # nothing was started
