@@ -245,10 +245,15 @@ async def test_a_full_disk_before_the_commit_point_commits_nothing(
                 f"left on device: '{re.escape(str(root))}/\\.step_000002\\.tmp-[^/]+/"
                 f"\\.metadata\\.json\\.tmp\\.")):
             await saver(root, 2)
-        assert [step for step, _ in list_checkpoints(root)] == [1]
-        assert not (root / "step_000002").exists()
-        assert (root / "latest").read_text() == "step_000001\n"
-        assert_version(root, 1, kind)
+        assert_only_step_1_committed(root, kind)
+
+
+def assert_only_step_1_committed(root: Path, kind: str) -> None:
+    """A failed save of step 2 left everything as step 1's save made it."""
+    assert [step for step, _ in list_checkpoints(root)] == [1]
+    assert not (root / "step_000002").exists()
+    assert (root / "latest").read_text() == "step_000001\n"
+    assert_version(root, 1, kind)
 
 
 # ----------------------------------------------------------------- injected failures
@@ -339,10 +344,7 @@ async def test_a_failure_before_the_commit_point_commits_nothing(
             f"\\[Errno {errno.ENOSPC}\\] No space left on device: "
             f"'{re.escape(str(root))}/\\.step_000002\\.tmp-[^/]+/\\.metadata\\.json\\.tmp")):
         await saver(root, 2)
-    assert [step for step, _ in list_checkpoints(root)] == [1]
-    assert not (root / "step_000002").exists()
-    assert (root / "latest").read_text() == "step_000001\n"
-    assert_version(root, 1, kind)
+    assert_only_step_1_committed(root, kind)
 
 
 # ----------------------------------------------------------------- not a directory
