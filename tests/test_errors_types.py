@@ -36,6 +36,7 @@ from netdist.errors import (
     SharedMemoryError,
     TransportClosedError,
     TransportError,
+    UndeliveredError,
 )
 from netdist.types import WIRE_DTYPES, ReduceOp, dtype_from_wire, dtype_to_wire, reduce_into
 
