@@ -481,7 +481,7 @@ class ServerHandshake(_HandshakeSide):
         well-formed AUTH arrived). Unproven unless the handshake succeeded: anyone can
         claim any rank in 0..2**32-1, so use it for diagnostics only (the coordinator
         tells which rank a refused connection claimed to be, see
-        ``netdist.transport.admission.RefusalRecord``)."""
+        the coordinator's ``RefusalRecord`` in the admission module)."""
         return self._peer_rank()
 
     def _reject(self, reason: str, code: str | None = None) -> HandshakeStep:

@@ -71,7 +71,9 @@ def test_an_old_loss_does_not_stretch_a_later_silence() -> None:
     watch = LinkWatch()
     watch.observe(_stats(), now=0.0, heard_at=0.0)
     watch.observe(_stats(total_retrans=1), now=1.0, heard_at=1.0)
-    watch.observe(_stats(total_retrans=1), now=30.0, heard_at=30.0)  # quiet link since
+    watch.observe(_stats(total_retrans=1), now=20.0, heard_at=20.0)
+    assert watch.lossy(BASE)  # lost within the stretched window before the last word
+    watch.observe(_stats(total_retrans=1), now=40.0, heard_at=40.0)  # quiet link since
     assert not watch.lossy(BASE)
 
 
