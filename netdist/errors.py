@@ -27,6 +27,8 @@ the transport boundary and never escape to callers.
     ├── CollectiveError                     collective misuse or a remote rank's failure
     │   ├── CollectiveMismatchError (ValueError)  ranks passed incompatible sizes/dtypes
     │   └── NotInGroupError                 calling into a group this rank is not part of
+    ├── TensorDeviceError (ValueError)      a torch tensor off the CPU (cuda, meta) or not
+    │                                       dense (sparse): move it with .cpu()
     ├── BlockingCallError (RuntimeError)    a blocking call made on the event loop that
     │                                       must complete it (it would deadlock)
     ├── ParameterServerError                a server or worker failed or misbehaved
@@ -64,6 +66,7 @@ __all__ = [
     "CollectiveMismatchError",
     "NotInGroupError",
     "ObjectEncodeError",
+    "TensorDeviceError",
     "BlockingCallError",
     "ParameterServerError",
     "FSDPError",
@@ -206,6 +209,14 @@ class NotInGroupError(CollectiveError):
 class ObjectEncodeError(CollectiveError, TypeError):
     """This rank's object for an object collective cannot be encoded with msgpack
     (netdist never pickles); the other ranks get a ``CollectiveError`` naming this rank."""
+
+
+class TensorDeviceError(NetdistError, ValueError):
+    """A torch tensor whose memory netdist cannot view in place: on a device other than
+    the CPU (``cuda``, ``meta``, ...) or not dense (sparse). The message names the device
+    or layout and the fix (``.cpu()``, ``.to_dense()``). Every API that takes tensors
+    raises it: collectives, aggregators, the parameter server, FSDP, the torch backend
+    and checkpoints."""
 
 
 class BlockingCallError(NetdistError, RuntimeError):

@@ -17,9 +17,13 @@ through this module, the only place in those layers that touches torch:
   contiguous stand-in (``stage_out``) that is copied back once the data is in. A tensor
   whose elements overlap in memory (``expand()``) is refused where netdist writes to it.
 - **Errors, clear.** A tensor not on the CPU (``cuda``, ``meta``, ...) or not dense
-  (sparse) raises ``ValueError`` naming its device or layout: move it with ``.cpu()``.
-  A tensor whose dtype NumPy cannot view (complex with the conjugate bit, float8, ...)
-  raises ``TypeError``.
+  (sparse) raises ``netdist.errors.TensorDeviceError`` (a ``ValueError``) naming its
+  device or layout: move it with ``.cpu()``. A tensor whose dtype NumPy cannot view
+  (complex with the conjugate bit, float8, ...) raises ``TypeError``.
+- **One conversion.** ``as_array`` is the only code in netdist that turns a tensor into
+  an array: the torch backend (``netdist.torch.tensors``) and checkpoints
+  (``netdist.checkpoint.torch_state``) call it with their own ``TensorRules`` (their
+  wording, the dtypes they take), and ``check_tensor`` is its checks alone.
 - **bfloat16.** A ``torch.bfloat16`` tensor becomes an array of ``netdist.types.BFLOAT16``
   over the same memory: ``ml_dtypes.bfloat16`` where installed, else ``BFLOAT16_RAW``
   (the raw 16-bit data, which netdist's reductions and the wire understand); see
@@ -36,15 +40,18 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
+from netdist.errors import TensorDeviceError
 from netdist.types import BF16_EXTRA_HINT, BFLOAT16, BFLOAT16_RAW, is_bfloat16
 
 __all__ = [
     "is_tensor",
     "any_tensor",
+    "TensorRules",
+    "check_tensor",
     "as_array",
     "as_arrays",
     "to_tensor",
@@ -70,39 +77,79 @@ def any_tensor(objs: Sequence[Any]) -> bool:
     return torch is not None and any(isinstance(o, torch.Tensor) for o in objs)
 
 
-def _need_array(obj: object, what: str) -> NoReturn:
-    raise TypeError(f"{what} needs a numpy.ndarray or a CPU torch.Tensor, "
-                    f"got {type(obj).__name__}")
+@dataclass(frozen=True, slots=True)
+class TensorRules:
+    """Which tensors a caller of ``as_array`` takes, and how it words a refusal.
+
+    The checks and the view are the same for every caller; only the advice differs
+    (the collectives, the torch backend and checkpoints each tell their own fix). Each
+    message is a format string over ``what`` (the caller's name for the tensor),
+    ``kind`` (the class of what was given), ``device``, ``layout``, ``dtype`` and
+    ``error`` (what torch said).
+    """
+
+    not_tensor: str = "{what} needs a numpy.ndarray or a CPU torch.Tensor, got {kind}"
+    """``TypeError``: not a ``torch.Tensor`` at all."""
+    off_cpu: str = ("{what}: netdist works on CPU tensors, got one on {device}; "
+                    "move it with .cpu() (and copy the result back)")
+    """``TensorDeviceError``: the tensor is not on the CPU."""
+    not_dense: str = ("{what}: netdist needs a dense tensor, got layout {layout}; "
+                      "convert it with .to_dense()")
+    """``TensorDeviceError``: the tensor is not strided (sparse, ...)."""
+    dtypes: frozenset[Any] | None = None
+    """The torch dtypes taken; None: every dtype NumPy can view, and bfloat16."""
+    bad_dtype: str = "{what}: netdist does not take {dtype} tensors"
+    """``TypeError``: the dtype is not in ``dtypes``."""
+    no_view: str = "{what}: NumPy cannot view a {dtype} tensor: {error}"
+    """``TypeError``: torch cannot hand the tensor's memory to NumPy."""
 
 
-def as_array(obj: Any, what: str, *, writeable: bool = False) -> np.ndarray:
-    """A NumPy view of the memory of CPU tensor ``obj`` (same shape and strides).
+RULES = TensorRules()
+"""The rules of netdist's own API (collectives, aggregators, parameter server, FSDP)."""
 
-    ``what`` names the call in error messages. ``writeable=True`` refuses a tensor whose
+
+def check_tensor(obj: Any, what: str, *, writeable: bool = False,
+                 rules: TensorRules = RULES) -> None:
+    """Raise unless ``obj`` is a tensor whose memory ``as_array`` can view.
+
+    ``TypeError`` if ``obj`` is not a tensor; ``TensorDeviceError`` for a tensor off the
+    CPU or not dense. ``writeable=True`` also refuses (``ValueError``) a tensor whose
     elements share memory (an ``expand()``-ed view), which netdist cannot write to
-    element by element. ``TypeError`` if ``obj`` is not a tensor or NumPy cannot view its
-    dtype; ``ValueError`` for a tensor off the CPU or not dense.
+    element by element. The dtype is ``as_array``'s to check.
     """
     torch = _torch()
     if torch is None or not isinstance(obj, torch.Tensor):
-        _need_array(obj, what)
-    t = obj.detach()
-    if t.device.type != "cpu":
-        raise ValueError(f"{what}: netdist works on CPU tensors, got one on {t.device}; "
-                         "move it with .cpu() (and copy the result back)")
-    if t.layout is not torch.strided:
-        raise ValueError(f"{what}: netdist needs a dense tensor, got layout {t.layout}; "
-                         "convert it with .to_dense()")
-    if writeable and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
+        raise TypeError(rules.not_tensor.format(what=what, kind=type(obj).__name__))
+    if obj.device.type != "cpu":
+        raise TensorDeviceError(rules.off_cpu.format(what=what, device=obj.device))
+    if obj.layout is not torch.strided:
+        raise TensorDeviceError(rules.not_dense.format(what=what, layout=obj.layout))
+    if writeable and any(s == 0 and n > 1 for s, n in zip(obj.stride(), obj.shape)):
         raise ValueError(f"{what}: the tensor's elements overlap in memory (an expand()-ed "
-                         f"view, strides {tuple(t.stride())}); pass a tensor that owns its "
+                         f"view, strides {tuple(obj.stride())}); pass a tensor that owns its "
                          "elements, e.g. t.contiguous()")
+
+
+def as_array(obj: Any, what: str, *, writeable: bool = False,
+             rules: TensorRules = RULES) -> np.ndarray:
+    """A NumPy view of the memory of CPU tensor ``obj`` (same shape and strides).
+
+    ``what`` names the call in error messages. The tensor must pass ``check_tensor``
+    (``writeable`` as there); ``TypeError`` for a dtype ``rules`` refuses or NumPy cannot
+    view. bfloat16 becomes ``netdist.types.BFLOAT16`` over the same memory.
+    """
+    check_tensor(obj, what, writeable=writeable, rules=rules)
+    torch = _torch()
+    t = obj.detach()
+    if rules.dtypes is not None and t.dtype not in rules.dtypes:
+        raise TypeError(rules.bad_dtype.format(what=what, dtype=t.dtype))
     if t.dtype is torch.bfloat16:
         return t.view(torch.int16).numpy().view(BFLOAT16)  # type: ignore[no-any-return]
     try:
         return t.numpy()  # type: ignore[no-any-return]
     except (TypeError, RuntimeError) as exc:
-        raise TypeError(f"{what}: NumPy cannot view a {t.dtype} tensor: {exc}") from None
+        raise TypeError(rules.no_view.format(what=what, kind=type(obj).__name__,
+                                             dtype=t.dtype, error=exc)) from None
 
 
 def as_arrays(objs: Sequence[Any], what: str) -> list[np.ndarray]:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from netdist.errors import TensorDeviceError
 from netdist.tensors import (
     any_tensor,
     as_array,
@@ -102,6 +103,29 @@ def test_sparse_tensor_is_a_clear_error() -> None:
     t = torch.eye(3).to_sparse()
     with pytest.raises(ValueError, match="needs a dense tensor, got layout torch.sparse_coo"):
         as_array(t, "x")
+
+
+def test_every_refusal_of_an_off_cpu_or_sparse_tensor_is_one_error_type() -> None:
+    """The collectives' view, the torch backend's check and a checkpoint's view are one
+    conversion: each refuses the tensor with ``TensorDeviceError`` (the ``ValueError``
+    the collectives document), in its own words."""
+    from netdist.checkpoint.torch_state import tensor_array
+    from netdist.torch.tensors import check_cpu
+
+    refusals = {
+        "collectives": lambda t: as_array(t, "all_reduce"),
+        "backend": lambda t: check_cpu(t, "allreduce"),
+        "checkpoint": lambda t: tensor_array(t, "w"),
+    }
+    for where, refuse in refusals.items():
+        for tensor, says in ((torch.empty(3, device="meta"), "meta"),
+                             (torch.eye(3).to_sparse(), "sparse_coo")):
+            with pytest.raises(TensorDeviceError, match=says) as caught:
+                refuse(tensor)
+            assert isinstance(caught.value, ValueError), where
+    with pytest.raises(TensorDeviceError, match=r"netdist backend works on CPU tensors, "
+                                                "got one on meta; use a 'cpu:netdist"):
+        check_cpu(torch.empty(3, device="meta"), "allreduce")
 
 
 def test_overlapping_tensor_cannot_be_written() -> None:

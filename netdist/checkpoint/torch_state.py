@@ -5,8 +5,9 @@ detects tensors through ``sys.modules`` without importing torch), or when a bflo
 tensor has to be handed out without ``ml_dtypes``; importing netdist never imports torch.
 
 - :func:`tensor_array`: a NumPy view of a CPU tensor's memory (no copy, also for
-  non-contiguous tensors and bfloat16), which is what the checkpoint code writes from
-  and reads into, so a load with ``like`` fills parameters and optimizer state in place;
+  non-contiguous tensors and bfloat16; ``netdist.tensors.as_array`` under the
+  checkpoint's rules), which is what the checkpoint code writes from and reads into, so
+  a load with ``like`` fills parameters and optimizer state in place;
 - :func:`array_tensor`: the inverse, a tensor over a NumPy buffer (no copy);
 - :func:`alias_key`: identifies tensors that are the same view of the same storage (tied
   weights), which are stored once and restored as one tensor;
@@ -24,44 +25,40 @@ from typing import Any
 import numpy as np
 import torch
 
-from netdist.checkpoint.dtypes import CHECKPOINT_DTYPES, is_raw_bfloat16
+from netdist.checkpoint.dtypes import is_raw_bfloat16
 from netdist.checkpoint.views import TensorView
+from netdist.tensors import TensorRules, as_array
 
 __all__ = ["tensor_array", "array_tensor", "alias_key", "OverlapGroup", "overlap_groups",
            "torch_view"]
 
-_NUMPY_DTYPES = {
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.float32, torch.float64,
-}
+_CHECKPOINT_RULES = TensorRules(
+    off_cpu=("{what}: the tensor is on device {device}; checkpoints read and write CPU "
+             "memory: pass tensor.cpu() (a copy) instead"),
+    not_dense=("{what}: a {layout} tensor cannot be checkpointed; convert it to a dense "
+               "tensor first"),
+    dtypes=frozenset({
+        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+        torch.uint16, torch.uint32, torch.uint64, torch.float16, torch.bfloat16,
+        torch.float32, torch.float64,
+    }),
+    bad_dtype=("{what}: torch dtype {dtype} cannot be stored in a checkpoint (safetensors "
+               "codes exist for bool, (u)int8-64, float16, bfloat16, float32 and float64)"),
+    no_view="{what}: cannot address the memory of this {kind} directly ({error})",
+)
+"""What a checkpoint takes: dense CPU tensors of a dtype with a safetensors code."""
 
 
 def tensor_array(tensor: torch.Tensor, name: str) -> np.ndarray:
-    """A NumPy array sharing ``tensor``'s memory (strides included, autograd detached).
+    """A NumPy array sharing ``tensor``'s memory (strides included, autograd detached):
+    ``netdist.tensors.as_array`` under the checkpoint's rules.
 
-    Raises ``TypeError`` naming ``name`` for a tensor a checkpoint cannot address
-    directly: not on the CPU (move it with ``.cpu()``, an explicit copy), not strided
-    (sparse, nested, quantized), or of a dtype without a safetensors code (complex,
-    float8).
+    Raises an error naming ``name`` for a tensor a checkpoint cannot address directly:
+    ``TensorDeviceError`` (a ``ValueError``) when it is not on the CPU (move it with
+    ``.cpu()``, an explicit copy) or not strided (sparse, nested), ``TypeError`` for a
+    dtype without a safetensors code (complex, float8, quantized).
     """
-    if tensor.device.type != "cpu":
-        raise TypeError(f"{name!r}: the tensor is on device {tensor.device}; checkpoints "
-                        f"read and write CPU memory: pass tensor.cpu() (a copy) instead")
-    if tensor.layout != torch.strided or tensor.is_quantized:
-        raise TypeError(f"{name!r}: a {tensor.layout} tensor cannot be checkpointed; "
-                        f"convert it to a dense tensor first")
-    data = tensor.detach()
-    if data.dtype == torch.bfloat16:
-        return data.view(torch.int16).numpy().view(CHECKPOINT_DTYPES["bfloat16"])
-    if data.dtype not in _NUMPY_DTYPES:
-        raise TypeError(f"{name!r}: torch dtype {data.dtype} cannot be stored in a "
-                        f"checkpoint (safetensors codes exist for bool, (u)int8-64, "
-                        f"float16, bfloat16, float32 and float64)")
-    try:
-        return data.numpy()
-    except (RuntimeError, TypeError) as exc:  # tensor subclasses without a plain buffer
-        raise TypeError(f"{name!r}: cannot address the memory of this "
-                        f"{type(tensor).__name__} directly ({exc})") from exc
+    return as_array(tensor, repr(name), rules=_CHECKPOINT_RULES)
 
 
 def array_tensor(array: np.ndarray) -> torch.Tensor:

@@ -21,21 +21,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from netdist.tensors import TensorRules, check_tensor
 from netdist.tensors import as_array as core_as_array
 
 __all__ = ["Staged", "stage", "as_array", "as_bytes", "check_cpu", "ViewCache"]
 
 
+_BACKEND_RULES = TensorRules(
+    not_tensor="{what}: expected a torch.Tensor, got {kind}",
+    off_cpu=("{what}: the netdist backend works on CPU tensors, got one on {device}; use a "
+             "'cpu:netdist,cuda:nccl' backend string or move it to the CPU"),
+    not_dense="{what}: the netdist backend needs dense tensors, got {layout}",
+)
+"""How the backend words ``check_tensor``'s refusals (it names the backend string)."""
+
+
 def check_cpu(tensor: torch.Tensor, op: str) -> None:
-    """``ValueError`` unless ``tensor`` is a dense CPU tensor (the netdist backend's device)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{op}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"{op}: the netdist backend works on CPU tensors, got one on "
-                         f"{tensor.device}; use a 'cpu:netdist,cuda:nccl' backend string "
-                         "or move it to the CPU")
-    if tensor.layout is not torch.strided:
-        raise ValueError(f"{op}: the netdist backend needs dense tensors, got {tensor.layout}")
+    """``TensorDeviceError`` (a ``ValueError``) unless ``tensor`` is a dense CPU tensor
+    (the netdist backend's device); ``TypeError`` if it is not a tensor."""
+    check_tensor(tensor, op, rules=_BACKEND_RULES)
 
 
 def as_array(tensor: torch.Tensor, op: str) -> np.ndarray:

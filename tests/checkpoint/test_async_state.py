@@ -31,7 +31,7 @@ from netdist.checkpoint import (
     save_distributed,
 )
 from netdist.checkpoint.api import write_share
-from netdist.errors import CheckpointError
+from netdist.errors import CheckpointError, TensorDeviceError
 from tests.checkpoint.test_overlap import COLS, ROWS, STORAGE, Windowed, assert_windows
 from tests.checkpoint.test_torch_state import (Mlp, TinyLM, assert_bitwise, data_bytes,
                                                make_optimizer, one_step, trained)
@@ -217,7 +217,7 @@ def test_ties_and_views_are_staged_and_written_once(tmp_path: Path, gate: GatedW
 def test_invalid_nested_input_raises_at_the_call(tmp_path: Path) -> None:
     model, optimizer = trained("sgd")
     with AsyncCheckpointer(tmp_path, 0, 1) as checkpointer:
-        with pytest.raises(TypeError, match=r"'model.w': the tensor is on device meta"):
+        with pytest.raises(TensorDeviceError, match=r"'model.w': the tensor is on device meta"):
             checkpointer.save_async({"model": {"w": torch.empty(3, device="meta")}})
         with pytest.raises(TypeError, match="cannot store a object in checkpoint metadata"):
             checkpointer.save_async({"model": model, "bad": object()})

@@ -46,7 +46,7 @@ from netdist.checkpoint import (
     save_distributed,
 )
 from netdist.collectives import Group
-from netdist.errors import CheckpointError, CheckpointMismatchError
+from netdist.errors import CheckpointError, CheckpointMismatchError, TensorDeviceError
 from tests.checkpoint import torch_bf16_worker as bf16
 from tests.ranks import finish_ranks, run_ranks, start_ranks
 
@@ -598,14 +598,14 @@ print("torch" in sys.modules)
 
 
 async def test_tensors_a_checkpoint_cannot_address_are_refused_clearly(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match=r"'w': the tensor is on device meta.*\.cpu\(\)"):
+    with pytest.raises(TensorDeviceError, match=r"'w': the tensor is on device meta.*\.cpu\(\)"):
         save_distributed({"w": torch.empty(3, device="meta")}, tmp_path, 0, 1)
     with pytest.raises(TypeError, match=r"'z': torch dtype torch.complex64 cannot be stored"):
         save_distributed({"z": torch.zeros(2, dtype=torch.complex64)}, tmp_path, 0, 1)
     errors = await run_ranks(2, lambda g: save(
         {"w": torch.empty(3, device="meta") if g.rank == 1 else torch.empty(3)}, tmp_path, g,
         timeout=OP_TIMEOUT), return_exceptions=True)
-    assert isinstance(errors[1], TypeError) and "device meta" in str(errors[1])
+    assert isinstance(errors[1], TensorDeviceError) and "device meta" in str(errors[1])
     assert isinstance(errors[0], CheckpointError) and "rank(s) 1" in str(errors[0])
     assert list_checkpoints(tmp_path) == []
 
