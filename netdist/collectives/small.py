@@ -19,6 +19,7 @@ from netdist.collectives.plan import (
     dissemination_partners,
     recursive_doubling_plan,
 )
+from netdist.transport.barrier import dissemination_rounds
 from netdist.transport.mailbox import byte_view
 from netdist.types import ReduceOp, combine
 
@@ -201,10 +202,12 @@ async def tree_broadcast_blob(chan: Channel, blob: bytes, root: int) -> bytes:
 
 
 async def dissemination_barrier(chan: Channel) -> None:
-    """Barrier in ``ceil(log2 n)`` rounds of empty messages (no root)."""
-    for send_to, recv_from in chan.plan(dissemination_partners, chan.rank, chan.world_size):
-        await chan.send(send_to, _EMPTY)
-        await chan.recv(recv_from)
+    """Barrier in ``ceil(log2 n)`` rounds of empty messages (no root): the transport's
+    dissemination barrier on group ranks, on the operation's tag, bounded by the group."""
+    await dissemination_rounds(chan.rank,
+                               chan.plan(dissemination_partners, chan.rank, chan.world_size),
+                               lambda peer, _: chan.send(peer, _EMPTY),
+                               lambda peer, _: chan.recv(peer))
 
 
 async def linear_gather(chan: Channel, array: np.ndarray, root: int) -> list[np.ndarray] | None:
