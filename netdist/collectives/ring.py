@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from netdist.collectives.channel import Channel
-from netdist.collectives.small import combine as combine_ordered
 from netdist.collectives.plan import (
     RingPlan,
     chain_broadcast_plan,
@@ -32,6 +31,7 @@ from netdist.collectives.plan import (
     ring_reduce_scatter_plan,
 )
 from netdist.types import ReduceOp, divide_into, reduce_into
+from netdist.types import combine as combine_ordered
 
 __all__ = [
     "run_pipeline",

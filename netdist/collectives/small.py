@@ -32,7 +32,6 @@ __all__ = [
     "dissemination_barrier",
     "linear_gather",
     "linear_scatter",
-    "combine",
     "gather_tasks",
     "all_to_all_exchange",
     "tree_broadcast_blob",
