@@ -12,7 +12,10 @@ with the file's size and checksums; the rank that completes the set (finds every
 manifest of the same generation) commits it as described in
 :mod:`netdist.checkpoint.commit` (``metadata.json`` into staging, rename to ``step_N``,
 ``latest``, rotation), holding a lock on the root so that two ranks finishing together
-commit once. Without a step the directory given is written in place (tools). The
+commit once. Without a step the directory given is written in place (tools). The save
+itself is the one save path of :mod:`netdist.checkpoint.writing` (``run_save``, run in
+place: no event loop needed); this module holds the per-rank part of it (validating and
+flattening the state, the staging tag, the manifests, the exclusive commit). The
 collective ``netdist.checkpoint.save`` (rank 0 gathers manifests over a ``Group``) is
 the recommended entry point for jobs; this API is for tools, tests and jobs without one.
 """
@@ -23,10 +26,10 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -53,7 +56,7 @@ from netdist.checkpoint.metadata import (
     step_dir_name,
 )
 from netdist.checkpoint.options import RankObjects
-from netdist.checkpoint.planner import box_shape, plan_reads, plan_writes, read_ranks
+from netdist.checkpoint.planner import box_shape, plan_reads, read_ranks
 from netdist.checkpoint.reading import (
     CheckpointReader,
     box_index,
@@ -82,10 +85,13 @@ from netdist.checkpoint.storage import (
     write_bytes_atomic,
 )
 from netdist.checkpoint.writing import (
+    SaveCoordinator,
     SaveResult,
+    SaveTarget,
     check_keep_last,
     check_rank,
-    write_rank_file,
+    run_inline,
+    run_save,
 )
 from netdist.errors import (
     CheckpointCorruptError,
@@ -108,6 +114,8 @@ __all__ = [
     "list_checkpoints",
     "CheckpointReader",
 ]
+
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- validation
@@ -182,35 +190,6 @@ def _staging_tag(generation: int, run_id: str | None) -> str:
     if run_id is None:
         return f"g{generation}"
     return f"g{generation}-{hashlib.sha256(run_id.encode('utf-8')).hexdigest()[:12]}"
-
-
-def _write_share(directory: Path, rank: int, world_size: int,
-                 specs: Mapping[str, TensorShardSpec], writers: Mapping[str, int],
-                 arrays: Mapping[str, np.ndarray], generation: int, run_id: str | None,
-                 where: Path, summary: Mapping[str, Any] | None = None
-                 ) -> tuple[FileRecord, list[tuple[FileRecord, Any]]]:
-    """Write this rank's file and manifest into ``directory``; return its record and the
-    record and state summary of every rank whose manifest of the same generation and run
-    is there."""
-    with os_errors(rank, f"write {rank_file_name(rank)} of checkpoint {where}"):
-        record = write_rank_file(directory, rank, world_size, specs, writers, arrays)
-    manifest: dict[str, Any] = {"generation": generation, "run_id": run_id,
-                                "file": record.to_json()}
-    if summary is not None:
-        manifest["state"] = summary
-    # Not fsynced: its content ends up in metadata.json, which is; losing it in a crash
-    # only means that save is not committed, which a crash does anyway.
-    with os_errors(rank, f"write {_manifest_name(rank)} of checkpoint {where}"):
-        write_bytes_atomic(directory / _manifest_name(rank), json.dumps(manifest).encode(),
-                           durable=False)
-    records = []
-    for other in range(world_size):
-        found = _read_json(directory / _manifest_name(other))
-        if (not isinstance(found, dict) or found.get("generation") != generation
-                or found.get("run_id") != run_id):
-            break
-        records.append((FileRecord.from_json(found["file"]), found.get("state")))
-    return record, records
 
 
 def _is_structured(state: Any) -> bool:
@@ -336,41 +315,95 @@ def write_share(share: PreparedShare, dir: str | os.PathLike[str], rank: int,
     is where ``SaveResult.seconds`` counts from."""
     if started is None:
         started = time.perf_counter()
-    specs, arrays, summary = share.specs, share.arrays, share.summary
-    base = shard_spec if isinstance(shard_spec, ShardMetadata) else None
-    writers = plan_writes(specs, world_size).writers
-    root = Path(dir)
-    final = root / step_dir_name(step) if step is not None else root
-    with os_errors(rank, f"prepare checkpoint {final}"):
-        if step is None:
-            ensure_root(root)
-            generation = metadata_generation(root) + 1
-            directory = root
-        else:
-            generation = step_generation(root, step) + 1
-            directory = create_staging(root, step, _staging_tag(generation, run_id),
-                                       shared=True)
-    record, found = _write_share(directory, rank, world_size, specs, writers, arrays,
-                                 generation, run_id, final, summary)
-    committed = len(found) == world_size
-    outcome = CommitOutcome(committed=False)
-    if committed:
-        metadata = ShardMetadata(
-            num_ranks=world_size, tensor_specs=specs,
-            mesh=base.mesh if base is not None else None,
-            extra=dict(extra if extra is not None else (base.extra if base is not None else {})),
-            step=step, writers=writers, files=tuple(r for r, _ in found),
-            generation=generation, state=_layout_of([s for _, s in found]))
-        with os_errors(rank, f"commit checkpoint {final}"):
+    coordinator = _PerRankSave(share, Path(dir), rank, world_size, shard_spec, step=step,
+                               keep_last=keep_last, extra=extra, run_id=run_id)
+    return run_inline(run_save(coordinator, started))
+
+
+class _PerRankSave(SaveCoordinator):
+    """The per-rank API's part of the one save path (:func:`run_save`): no communication.
+    Every rank stages into the directory of its step's next generation (or writes in
+    place without a step) and leaves a manifest there; the rank that finds every rank's
+    manifest of the same generation and run commits, under :func:`root_lock`. Every step
+    is a blocking call made in place, and an error raises at once, on this rank only."""
+
+    def __init__(self, share: PreparedShare, root: Path, rank: int, world_size: int,
+                 shard_spec: ShardMetadata | Mapping[str, TensorShardSpec] | None, *,
+                 step: int | None, keep_last: int | None,
+                 extra: Mapping[str, Any] | None, run_id: str | None) -> None:
+        super().__init__(rank, world_size)
+        self.prepared = share
+        self.root = root
+        self.base = shard_spec if isinstance(shard_spec, ShardMetadata) else None
+        self.step = step
+        self.keep_last = keep_last
+        self.extra = extra
+        self.run_id = run_id
+
+    async def run(self, fn: Callable[..., T], /, *args: Any) -> T:
+        return fn(*args)
+
+    async def settle(self) -> SaveTarget:
+        root, step, base, rank = self.root, self.step, self.base, self.rank
+        final = root / step_dir_name(step) if step is not None else root
+        with os_errors(rank, f"prepare checkpoint {final}"):
             if step is None:
-                write_bytes_atomic(root / METADATA_FILE, metadata.dumps().encode("utf-8"))
+                ensure_root(root)
+                generation = metadata_generation(root) + 1
+                directory = root
             else:
-                outcome = commit_step(root, directory, metadata, keep_last=keep_last,
-                                      exclusive=True)
-                committed = outcome.committed
-    return SaveResult(final, rank, final / record.name, record.size, committed, step,
-                      time.perf_counter() - started, latest_updated=outcome.latest_updated,
-                      warnings=outcome.warnings)
+                generation = step_generation(root, step) + 1
+                directory = create_staging(root, step, _staging_tag(generation, self.run_id),
+                                           shared=True)
+        extra = self.extra if self.extra is not None else (
+            base.extra if base is not None else {})
+        return SaveTarget(self.prepared.specs, self.prepared.arrays, directory, final, step,
+                          extra, mesh=base.mesh if base is not None else None,
+                          generation=generation)
+
+    async def share(self, target: SaveTarget, written: FileRecord | BaseException
+                    ) -> list[tuple[FileRecord, Any]] | None:
+        """Write this rank's manifest next to its file; return the record and state
+        summary of every rank when all of their manifests of this generation and run
+        are there."""
+        if isinstance(written, BaseException):
+            raise written
+        record = written
+        rank, generation, run_id = self.rank, target.generation, self.run_id
+        manifest: dict[str, Any] = {"generation": generation, "run_id": run_id,
+                                    "file": record.to_json()}
+        if self.prepared.summary is not None:
+            manifest["state"] = self.prepared.summary
+        # Not fsynced: its content ends up in metadata.json, which is; losing it in a crash
+        # only means that save is not committed, which a crash does anyway.
+        with os_errors(rank, f"write {_manifest_name(rank)} of checkpoint {target.final}"):
+            write_bytes_atomic(target.directory / _manifest_name(rank),
+                               json.dumps(manifest).encode(), durable=False)
+        records = []
+        for other in range(self.world_size):
+            found = _read_json(target.directory / _manifest_name(other))
+            if (not isinstance(found, dict) or found.get("generation") != generation
+                    or found.get("run_id") != run_id):
+                break
+            records.append((FileRecord.from_json(found["file"]), found.get("state")))
+        return records if len(records) == self.world_size else None
+
+    def contents(self, found: Sequence[Any]
+                 ) -> tuple[tuple[FileRecord, ...], StateLayout | None]:
+        return tuple(r for r, _ in found), _layout_of([s for _, s in found])
+
+    async def commit(self, target: SaveTarget, metadata: ShardMetadata) -> CommitOutcome:
+        if target.step is None:
+            write_bytes_atomic(self.root / METADATA_FILE, metadata.dumps().encode("utf-8"))
+            return CommitOutcome(committed=True)
+        return commit_step(self.root, target.directory, metadata, keep_last=self.keep_last,
+                           exclusive=True)
+
+    async def announce(self, outcome: CommitOutcome, error: BaseException | None
+                       ) -> CommitOutcome:
+        if error is not None:
+            raise error
+        return outcome
 
 
 # --------------------------------------------------------------------------- reading

@@ -6,15 +6,17 @@ training and mutate its arrays - and writes the staged copy in a worker thread w
 same crash-safe protocol as :func:`save_distributed`, while the event loop keeps running.
 
 ``state`` is anything :func:`save_distributed` takes, through the same code
-(``prepare_share`` now, ``write_share`` in the writer thread): a flat mapping of arrays,
-or nested training state - a model's and an optimizer's ``state_dict()``, the module,
-optimizer, LR scheduler or :class:`~netdist.checkpoint.RNGState` itself, dicts and lists
-of tensors and plain values. It is taken as it is at the call: ``state_dict()`` is called,
-plain values (step counters, ``param_groups``, RNG states) are encoded and every tensor is
-copied before ``save_async`` returns, so an ``optimizer.step()`` that updates parameters
-in place right after does not leak into the saved step. Tied tensors are staged and
-written once, partly overlapping ones as one region (:mod:`netdist.checkpoint.views`);
-:func:`load_distributed` with ``like=`` restores the tree.
+(``prepare_share`` now, ``write_share`` in the writer thread: the one save path of
+:mod:`netdist.checkpoint.writing` with the per-rank API's coordination): a flat mapping
+of arrays, or nested training state - a model's and an optimizer's ``state_dict()``, the
+module, optimizer, LR scheduler or :class:`~netdist.checkpoint.RNGState` itself, dicts
+and lists of tensors and plain values. It is taken as it is at the call:
+``state_dict()`` is called, plain values (step counters, ``param_groups``, RNG states)
+are encoded and every tensor is copied before ``save_async`` returns, so an
+``optimizer.step()`` that updates parameters in place right after does not leak into the
+saved step. Tied tensors are staged and written once, partly overlapping ones as one
+region (:mod:`netdist.checkpoint.views`); :func:`load_distributed` with ``like=``
+restores the tree.
 
 - Staging buffers are allocated on the first save and reused by later ones (same names,
   shapes and dtypes), so steady-state saves do not page-fault fresh memory; the copy is

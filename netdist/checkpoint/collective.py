@@ -6,7 +6,9 @@ step counts, param groups), step/epoch counters and NumPy RNGs (``np.random.Gene
 objects or ``bit_generator.state`` dicts; 128-bit integers are stored exactly).
 
 Save protocol (every rank calls ``save`` with the same tree structure; the commit
-itself, its crash points and the recovery rules are in :mod:`netdist.checkpoint.commit`):
+itself, its crash points and the recovery rules are in :mod:`netdist.checkpoint.commit`;
+the steps are those of the one save path, :mod:`netdist.checkpoint.writing`'s
+``run_save``, with this module supplying the gathers, the broadcast and rank 0's part):
 
 1. rank 0 renames back a checkpoint a crashed save left aside, removes the rest of what
    crashed saves left behind (staging directories, incomplete ``step_*`` directories,
@@ -53,27 +55,27 @@ import shutil
 import time
 import warnings
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from netdist import errors
-from netdist.checkpoint.commit import (commit_step, create_staging, describe_os_error,
-                                       ensure_root, os_errors, tidy_root)
+from netdist.checkpoint.commit import (CommitOutcome, commit_step, create_staging,
+                                       describe_os_error, ensure_root, os_errors, tidy_root)
 from netdist.checkpoint.dtypes import dtype_name
 from netdist.checkpoint.group_like import GroupLike
 from netdist.checkpoint.metadata import (
     METADATA_FILE,
     FileRecord,
     ShardMetadata,
-    rank_file_name,
+    StateLayout,
     step_dir_name,
 )
 from netdist.checkpoint.options import RankObjects, ReplicaCheck, parse_option
-from netdist.checkpoint.planner import assign_writers, plan_reads
+from netdist.checkpoint.planner import plan_reads
 from netdist.checkpoint.reading import CheckpointReader, resolve_checkpoint
 from netdist.checkpoint.restore import (
     RANK_OBJECT_POLICIES,
@@ -91,11 +93,14 @@ from netdist.checkpoint.summary import (
     describe_diverged,
     merge_rank_summaries,
 )
-from netdist.checkpoint.writing import SaveResult, check_keep_last, write_rank_file
+from netdist.checkpoint.writing import (SaveCoordinator, SaveResult, SaveTarget,
+                                        check_keep_last, run_save)
 from netdist.errors import CheckpointError, ConfigError
 
 __all__ = ["save", "load", "GroupLike", "RankObjects", "RANK_OBJECT_POLICIES", "ReplicaCheck",
            "ReplicaDivergenceWarning"]
+
+T = TypeVar("T")
 
 
 class ReplicaDivergenceWarning(UserWarning):
@@ -226,87 +231,120 @@ async def save(state: Any, dir: str | os.PathLike[str], group: GroupLike, *,
     started = time.perf_counter()
     check_keep_last(keep_last)
     check = _replica_check(check_replicated)
-    root = Path(dir)
-    rank, world_size = group.rank, group.world_size
-    local_error: BaseException | None = None
-    arrays: dict[str, np.ndarray] = {}
-    mine: dict[str, Any]
-    created: str | None = None  # rank 0: the staging directory it made
-    try:
-        with os_errors(rank, "describe the state to save"):
-            # in a thread: the replica check reads every replicated tensor once
-            summary, arrays = await asyncio.to_thread(_local_summary, state, check)
-        if rank == 0:
-            chosen_step, created = await asyncio.to_thread(_prepare_root, root, step,
-                                                           overwrite)
-            summary = replace(summary, step=chosen_step, staging=created)
-        mine = summary.to_wire()
-    except Exception as exc:  # reported to every rank below
-        local_error = exc
-        mine = _describe(exc)
-    gathered = await group.all_gather_object(mine, timeout=timeout)
-    if created is not None and any(RankFailure.from_wire(g) for g in gathered):
-        await _discard(root / created)
-    _raise_gathered("checkpoint save", gathered, rank, local_error)
-    summaries = [RankSummary.from_wire(g) for g in gathered]
-    chosen, staged_as = summaries[0].step, summaries[0].staging
-    if chosen is None or staged_as is None:  # pragma: no cover - rank 0 always sends them
-        raise CheckpointError("checkpoint save: rank 0 sent no step or staging directory")
-    staging = root / staged_as
-    final = root / step_dir_name(chosen)
-    try:
-        specs, layout, diverged = merge_rank_summaries(summaries, check)
-    except CheckpointError:
-        if rank == 0:
-            await _discard(staging)
-        raise
-    writers = assign_writers(specs, world_size)
-    if diverged:  # ReplicaCheck.WARN: every rank warns, rank 0's copy is the one saved
-        writers.update((name, 0) for name in diverged)
-        warnings.warn(ReplicaDivergenceWarning(
-            f"checkpoint step {chosen}: replicated tensors differ between ranks: "
-            f"{describe_diverged(diverged)}; saving rank 0's copy of each "
-            f"(check_replicated='error' refuses instead)"), stacklevel=2)
+    coordinator = _GroupSave(state, Path(dir), group, step=step, keep_last=keep_last,
+                             overwrite=overwrite, extra=extra, mesh=mesh, check=check,
+                             timeout=timeout)
+    return await run_save(coordinator, started)
 
-    record: FileRecord | None = None
-    manifest: dict[str, Any]
-    try:
-        with os_errors(rank, f"write {rank_file_name(rank)} of checkpoint {final}"):
-            record = await asyncio.to_thread(write_rank_file, staging, rank, world_size,
-                                             specs, writers, arrays)
-        manifest = record.to_json()
-    except Exception as exc:
-        local_error = exc
-        manifest = _describe(exc)
-    manifests = await group.all_gather_object(manifest, timeout=timeout)
-    if rank == 0 and any(RankFailure.from_wire(m) for m in manifests):
-        await _discard(staging)
-    _raise_gathered("checkpoint save", manifests, rank, local_error)
 
-    status: dict[str, Any] = {"ok": True}
-    if rank == 0:
+class _GroupSave(SaveCoordinator):
+    """The collective save's part of the one save path (:func:`run_save`; the protocol
+    is the module docstring's): rank 0 prepares the root and the staging directory, one
+    ``all_gather_object`` gives every rank the same specs before the plan and another
+    brings every file record to rank 0, which commits and broadcasts the outcome. A
+    failure on any rank is sent in place of its contribution, so every rank fails
+    together. Blocking steps run in worker threads while the event loop keeps running."""
+
+    def __init__(self, state: Any, root: Path, group: GroupLike, *, step: int | None,
+                 keep_last: int | None, overwrite: bool, extra: Mapping[str, Any] | None,
+                 mesh: Mapping[str, Any] | None, check: ReplicaCheck,
+                 timeout: float | None) -> None:
+        super().__init__(group.rank, group.world_size)
+        self.state = state
+        self.root = root
+        self.group = group
+        self.step = step
+        self.keep_last = keep_last
+        self.overwrite = overwrite
+        self.extra = extra
+        self.mesh = mesh
+        self.check = check
+        self.timeout = timeout
+        self.layout: StateLayout | None = None
+
+    async def run(self, fn: Callable[..., T], /, *args: Any) -> T:
+        return await asyncio.to_thread(fn, *args)
+
+    async def settle(self) -> SaveTarget:
+        root, rank = self.root, self.rank
+        local_error: BaseException | None = None
+        arrays: dict[str, np.ndarray] = {}
+        mine: dict[str, Any]
+        created: str | None = None  # rank 0: the staging directory it made
         try:
-            metadata = ShardMetadata(
-                num_ranks=world_size, tensor_specs=specs, mesh=mesh, extra=dict(extra or {}),
-                step=chosen, writers=writers,
-                files=tuple(FileRecord.from_json(m) for m in manifests), state=layout)
-            with os_errors(rank, f"commit checkpoint {final}"):
-                outcome = await asyncio.to_thread(commit_step, root, staging, metadata,
-                                                  keep_last=keep_last, exclusive=False)
+            with os_errors(rank, "describe the state to save"):
+                # in a thread: the replica check reads every replicated tensor once
+                summary, arrays = await asyncio.to_thread(_local_summary, self.state,
+                                                          self.check)
+            if rank == 0:
+                chosen_step, created = await asyncio.to_thread(_prepare_root, root,
+                                                               self.step, self.overwrite)
+                summary = replace(summary, step=chosen_step, staging=created)
+            mine = summary.to_wire()
+        except Exception as exc:  # reported to every rank below
+            local_error = exc
+            mine = _describe(exc)
+        gathered = await self.group.all_gather_object(mine, timeout=self.timeout)
+        if created is not None and any(RankFailure.from_wire(g) for g in gathered):
+            await _discard(root / created)
+        _raise_gathered("checkpoint save", gathered, rank, local_error)
+        summaries = [RankSummary.from_wire(g) for g in gathered]
+        chosen, staged_as = summaries[0].step, summaries[0].staging
+        if chosen is None or staged_as is None:  # pragma: no cover - rank 0 always sends them
+            raise CheckpointError("checkpoint save: rank 0 sent no step or staging directory")
+        staging = root / staged_as
+        try:
+            specs, self.layout, diverged = merge_rank_summaries(summaries, self.check)
+        except CheckpointError:
+            if rank == 0:
+                await _discard(staging)
+            raise
+        pinned: dict[str, int] = {}
+        if diverged:  # ReplicaCheck.WARN: every rank warns, rank 0's copy is the one saved
+            pinned.update((name, 0) for name in diverged)
+            warnings.warn(ReplicaDivergenceWarning(
+                f"checkpoint step {chosen}: replicated tensors differ between ranks: "
+                f"{describe_diverged(diverged)}; saving rank 0's copy of each "
+                f"(check_replicated='error' refuses instead)"),
+                stacklevel=4)  # the caller of save (through run_save)
+        return SaveTarget(specs, arrays, staging, root / step_dir_name(chosen), chosen,
+                          self.extra or {}, mesh=self.mesh, pinned=pinned)
+
+    async def share(self, target: SaveTarget, written: FileRecord | BaseException
+                    ) -> list[Any] | None:
+        local_error: BaseException | None = None
+        if isinstance(written, BaseException):
+            local_error, manifest = written, _describe(written)
+        else:
+            manifest = written.to_json()
+        manifests = await self.group.all_gather_object(manifest, timeout=self.timeout)
+        if self.rank == 0 and any(RankFailure.from_wire(m) for m in manifests):
+            await _discard(target.directory)
+        _raise_gathered("checkpoint save", manifests, self.rank, local_error)
+        return manifests if self.rank == 0 else None
+
+    def contents(self, found: Sequence[Any]
+                 ) -> tuple[tuple[FileRecord, ...], StateLayout | None]:
+        return tuple(FileRecord.from_json(m) for m in found), self.layout
+
+    async def commit(self, target: SaveTarget, metadata: ShardMetadata) -> CommitOutcome:
+        return await asyncio.to_thread(commit_step, self.root, target.directory, metadata,
+                                       keep_last=self.keep_last, exclusive=False)
+
+    async def announce(self, outcome: CommitOutcome, error: BaseException | None
+                       ) -> CommitOutcome:
+        status: dict[str, Any] = {"ok": True}
+        if error is not None:
+            status = _describe(error)
+        elif self.rank == 0:
             # committed: what the housekeeping after the commit skipped goes to every rank
             status = {"ok": True, "latest_updated": outcome.latest_updated,
                       "warnings": list(outcome.warnings)}
-        except Exception as exc:
-            local_error = exc
-            status = _describe(exc)
-    status = await group.broadcast_object(status, 0, timeout=timeout)
-    _raise_gathered("checkpoint commit", [status], rank, local_error)
-    if record is None:  # pragma: no cover - every path without a record raised above
-        raise CheckpointError("no shard file was written")
-    return SaveResult(final, rank, final / rank_file_name(rank), record.size,
-                      rank == 0, chosen, time.perf_counter() - started,
-                      latest_updated=bool(status.get("latest_updated", False)),
-                      warnings=tuple(str(w) for w in status.get("warnings", ())))
+        status = await self.group.broadcast_object(status, 0, timeout=self.timeout)
+        _raise_gathered("checkpoint commit", [status], self.rank, error)
+        return CommitOutcome(self.rank == 0,
+                             bool(status.get("latest_updated", False)),
+                             tuple(str(w) for w in status.get("warnings", ())))
 
 
 # --------------------------------------------------------------------------- load
