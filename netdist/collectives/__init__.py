@@ -1,6 +1,6 @@
 """Collectives over any ``Transport``: ``Group`` (all_reduce, reduce_scatter, all_gather,
-broadcast, gather, scatter, reduce, barrier, object collectives, p2p), subgroups and
-``Work`` handles for overlapped communication.
+broadcast, gather, scatter, reduce, barrier, monitored_barrier, object collectives, p2p
+and recv_any), subgroups and ``Work`` handles for overlapped communication.
 
 ::
 

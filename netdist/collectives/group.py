@@ -89,7 +89,9 @@ from netdist.collectives.local import (
     host_all_reduce,
     host_broadcast,
 )
+from netdist.collectives.monitored import root_monitored_barrier, root_monitored_limit
 from netdist.collectives.objects import pack_object_blob, unpack_object_blob
+from netdist.collectives.p2p import recv_from_any, recv_from_any_limit, recv_landing, recv_result
 from netdist.collectives.ring import (
     DEFAULT_DEPTH,
     chain_broadcast,
@@ -1188,6 +1190,21 @@ class Group:
 
         return await self._submit("barrier", body, timeout, async_op)
 
+    async def monitored_barrier(self, *, timeout: float | None = None,
+                                wait_all_ranks: bool = False, async_op: bool = False) -> Any:
+        """A barrier through group rank 0 that names the ranks that did not arrive within
+        ``timeout`` (rank 0 raises ``NetdistTimeoutError`` naming the first, or every one
+        with ``wait_all_ranks``; the others then fail too): Gloo's ``monitoredBarrier``,
+        ``netdist.collectives.monitored``. As there, ``timeout=0`` gives rank 0 no time."""
+        self._check_member("monitored_barrier")
+        seconds = 0.0 if timeout == 0 else _timeout_value(timeout, "timeout") or self._timeout
+
+        async def body(chan: Channel) -> None:
+            await root_monitored_barrier(chan, seconds, wait_all_ranks)
+
+        return await self._submit("monitored_barrier", body,
+                                  root_monitored_limit(seconds, self.world_size), async_op)
+
     @overload
     async def all_gather_object(self, obj: Any, *, timeout: float | None = None,
                                 async_op: Literal[False] = False) -> list[Any]: ...
@@ -1327,20 +1344,41 @@ class Group:
         wire_tag = self._p2p_tag(tag)
         deadline = _timeout_value(timeout, "timeout") or self._timeout
         source = self._ranks[src]
-        staged = None
-        landing: np.ndarray | None = None
-        if isinstance(out, np.ndarray):
-            landing = out
-        elif out is not None:
-            staged = stage_out(out, "recv out=")
-            landing = staged.array
+        into, staged = recv_landing(out, "recv")
 
         async def body() -> Any:
-            result = await self._transport.recv(source, tag=wire_tag, out=landing,
+            result = await self._transport.recv(source, tag=wire_tag, out=into,
                                                 timeout=deadline)
-            if staged is not None:
-                return staged.finish()
-            return result if out is not None else numpy_result(result, "recv")
+            return recv_result(result, out, staged, "recv")
 
         return await self._p2p("recv", body, deadline, src, async_op)
+
+    async def recv_any(self, sources: Sequence[int] | None = None, tag: int = 0, *,
+                       out: np.ndarray | Tensor | None = None, timeout: float | None = None,
+                       async_op: bool = False) -> Any:
+        """``(src, message)``: the next message on ``tag`` from whichever of ``sources``
+        (group ranks; default every other member) sends first, ``src`` its group rank.
+
+        ``out`` is as for ``recv``. No message is lost to the race: one not taken stays
+        for the next receive (``netdist.collectives.p2p``). ``NetdistTimeoutError`` names
+        the group, the tag and the sources when none sent within ``timeout``.
+        """
+        self._check_member("recv_any")
+        if sources is None:
+            sources = [r for r in range(self.world_size) if r != self._rank]
+        peers = [self._peer(s, "recv_any source") for s in sources]
+        if not peers or self._rank in peers or len(set(peers)) != len(peers):
+            raise ValueError(f"recv_any sources must be other members, each once, got "
+                             f"{peers} on group rank {self._rank}")
+        wire_tag = self._p2p_tag(tag)
+        deadline = _timeout_value(timeout, "timeout") or self._timeout
+        into, staged = recv_landing(out, "recv_any")
+        chan = Channel(self._transport, self._ranks, self._rank, wire_tag, deadline, "recv_any")
+
+        async def body() -> Any:
+            src, message = await recv_from_any(chan, peers, deadline, into)
+            return src, recv_result(message, out, staged, "recv_any")
+
+        return await self._p2p("recv_any", body, recv_from_any_limit(deadline, len(peers)),
+                               -1, async_op)
 

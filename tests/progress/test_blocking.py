@@ -142,3 +142,28 @@ def test_what_all_reduce_refuses_the_eager_start_leaves_to_it() -> None:
 
     with jobs_of(2) as jobs:
         assert on_every_rank(jobs, rank_body) == [[None] * 4] * 2
+
+
+def test_recv_any_and_monitored_barrier_through_the_blocking_api() -> None:
+    """``job.group`` offers ``Group.recv_any`` and ``Group.monitored_barrier`` blocking,
+    and as ``Handle``s with ``async_op=True``."""
+    from netdist.errors import NetdistTimeoutError
+
+    def rank_body(job: Any) -> Any:
+        group = job.group
+        if group.rank != 0:
+            group.recv(0, tag=1)  # rank 2 sends only after rank 1's message was taken
+            group.send(np.array([group.rank], np.int64), 0, tag=6)
+            group.monitored_barrier(timeout=20, wait_all_ranks=True)
+            return None
+        group.send(b"", 1, tag=1)
+        first = group.recv_any(None, 6)
+        group.send(b"", 2, tag=1)
+        second = group.recv_any([2, 1], 6, async_op=True).wait(JOIN_SECONDS)
+        with pytest.raises(NetdistTimeoutError, match="recv_any on group"):
+            group.recv_any(None, 6, timeout=0.2)
+        group.monitored_barrier(timeout=20, wait_all_ranks=True)
+        return [(src, message.tolist()) for src, message in (first, second)]
+
+    with jobs_of(3) as jobs:
+        assert on_every_rank(jobs, rank_body) == [[(1, [1]), (2, [2])], None, None]
