@@ -14,11 +14,15 @@ Semantics follow Gloo's on CPU (torch's reference for this device):
 - data movement (broadcast, gathers, scatters, all-to-all, send/recv) moves the tensors'
   bytes, so every dtype moves (bfloat16, float16, complex, bool, all integer types);
 - ``barrier`` first waits for this group's earlier operations, as Gloo's does;
-- ``monitored_barrier`` names every rank that did not arrive within its timeout;
+- ``monitored_barrier`` names every rank that did not arrive within its timeout
+  (``Group.monitored_barrier``);
 - a receive from any source (``dist.recv(t)`` without ``src``) takes the first message
-  that arrives from any member on that tag;
+  that arrives from any member on that tag (``Group.recv_any``);
 - user tags of ``send``/``recv`` are taken modulo ``2**19`` (netdist's group p2p tags are
-  ``< 2**20``; the upper half is this backend's own).
+  ``< 2**20``; the upper half is held back for the backend).
+
+The protocols are ``Group``'s: this module only adapts torch's calls to them (staging
+tensors, ``Work`` handles, torch's errors).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from netdist.collectives.group import Group
-from netdist.errors import CollectiveMismatchError, NetdistTimeoutError, PeerLostError
+from netdist.errors import CollectiveMismatchError
 from netdist.progress.job import Job
 from netdist.progress.proxy import run_eager
 from netdist.torch.errors import to_torch_error
@@ -47,11 +51,7 @@ __all__ = ["ProcessGroupNetdist", "BACKEND_NAME", "USER_TAG_LIMIT"]
 BACKEND_NAME = "netdist"
 
 USER_TAG_LIMIT = 2**19
-"""``send``/``recv`` tags are taken modulo this; tags above it are the backend's own."""
-
-_MONITORED_TAG = USER_TAG_LIMIT
-_ANY_SOURCE_POLL = 0.05
-"""Seconds a receive from any source waits on each member before trying the next."""
+"""``send``/``recv`` tags are taken modulo this; tags above it are held back for the backend."""
 
 _REDUCE_OPS: dict[Any, ReduceOp] = {
     dist.ReduceOp.SUM: ReduceOp.SUM,
@@ -129,7 +129,6 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         self._owns_job = owns_job
         self._pending: set[Any] = set()
         self._views = ViewCache()
-        self._monitored = 0
         self._torch_name = ""
         self._torch_desc = ""
 
@@ -611,12 +610,12 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         tensor = _one(tensors, "recv")
         staged = stage(tensor, "recv")
         out = as_bytes(staged.work)
-        group, user_tag = self._group, tag % USER_TAG_LIMIT
-        peers = [p for p in range(self.size()) if p != self.rank()]
+        group, user_tag, seconds = self._group, tag % USER_TAG_LIMIT, self._seconds
         found: list[int] = []
 
         async def body() -> None:
-            found.append(await _recv_any(group, peers, user_tag, out, self._seconds))
+            src, _ = await group.recv_any(None, user_tag, out=out, timeout=seconds)
+            found.append(src)
 
         return self._start("recv", body, [tensor], [staged], source=lambda: found[0])
 
@@ -640,12 +639,10 @@ class ProcessGroupNetdist(dist.ProcessGroup):
                           wait_all_ranks: bool = False) -> None:
         """Rank 0 waits up to ``timeout`` for every rank and names those that did not come."""
         seconds = timeout.total_seconds() if timeout is not None else self._seconds
-        tag = _MONITORED_TAG + (self._monitored % USER_TAG_LIMIT)
-        self._monitored += 1
-        group, me = self._group, self.rank()
+        group = self._group
 
         async def body() -> None:
-            await _monitored_barrier(group, me, tag, seconds, wait_all_ranks)
+            await group.monitored_barrier(timeout=seconds, wait_all_ranks=wait_all_ranks)
 
         self._start("monitored_barrier", body, []).wait()
 
@@ -679,67 +676,3 @@ def _check_size(received: np.ndarray, out: np.ndarray, src: int, what: str) -> N
     if received.nbytes != out.nbytes:
         raise CollectiveMismatchError(f"{what}: rank {src} sent {received.nbytes} bytes into "
                                       f"a tensor of {out.nbytes} bytes")
-
-
-async def _recv_any(group: Group, peers: list[int], tag: int, out: np.ndarray,
-                    timeout: float) -> int:
-    """Receive the next message on ``tag`` from whichever member sends first.
-
-    Polls each member in turn with a short receive that owns no buffer: a receive that
-    expires, even while its frame is landing, loses nothing (the mailbox hands the
-    message to the next receive on the tag), so only the message actually taken is
-    consumed.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        for peer in peers:
-            try:
-                received = await group.recv(peer, tag, timeout=_ANY_SOURCE_POLL)
-            except NetdistTimeoutError:
-                continue
-            _check_size(received, out, peer, "recv")
-            out[...] = received.reshape(-1).view(np.uint8)
-            return peer
-        if loop.time() >= deadline:
-            raise NetdistTimeoutError(f"recv from any source on tag {tag} timed out after "
-                                      f"{timeout:.1f}s")
-
-
-async def _monitored_barrier(group: Group, me: int, tag: int, seconds: float,
-                             wait_all_ranks: bool) -> None:
-    """Gloo's protocol and messages: every rank reports to rank 0, which names the ranks
-    that did not arrive in time and releases the others."""
-    n = group.world_size
-    token = np.zeros(1, np.uint8)
-    ms = int(seconds * 1000)
-    if me != 0:
-        try:
-            await group.send(token, 0, tag, timeout=max(seconds, 0.001))
-            await group.recv(0, tag, out=np.zeros(1, np.uint8), timeout=max(seconds, 0.001))
-        except (NetdistTimeoutError, PeerLostError) as exc:
-            raise NetdistTimeoutError(
-                f"Rank {me} successfully reached monitoredBarrier, but received errors while "
-                f"waiting for send/recv from rank 0. Please check rank 0 logs for faulty "
-                f"rank. ({exc})") from exc
-        return
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    missing: list[int] = []
-    for peer in range(1, n):
-        remaining = deadline - loop.time()
-        if remaining <= 0 and not missing:
-            raise NetdistTimeoutError(f"Rank 0 timed out in monitoredBarrier after {ms} ms")
-        try:
-            await group.recv(peer, tag, out=np.zeros(1, np.uint8),
-                             timeout=max(remaining, 0.001))
-        except (NetdistTimeoutError, PeerLostError):
-            missing.append(peer)
-            if not wait_all_ranks:
-                break
-    if missing:
-        listed = ", ".join(map(str, missing))
-        raise NetdistTimeoutError(f"[Rank 0]: Rank{'s' if len(missing) > 1 else ''} "
-                                  f"{listed} failed to pass monitoredBarrier in {ms} ms")
-    await asyncio.gather(*(group.send(token, peer, tag, timeout=max(seconds, 0.001))
-                           for peer in range(1, n)))
