@@ -324,9 +324,25 @@ class ProgressThread:
 
     def _leave_loop_to_caller(self, _: object) -> None:
         """A handed-over operation is done (its caller is being woken): the progress
-        thread stops running the loop, so the caller's next operation drives it."""
+        thread stops running the loop, so the caller's next operation drives it.
+
+        Usually this runs on the progress thread, which completed the future. When the
+        operation finished before the callback was attached, it runs at once on the
+        caller's thread instead, where stopping the loop is not ours to do: the request
+        is posted to the loop, whose thread honours it (``_stop_progress_run`` is a
+        no-op on any other thread). Without that, the progress thread kept the loop and
+        every later call handed its operation over.
+        """
         self._caller_used_loop()
-        self._stop_progress_run()
+        if threading.current_thread() is self._thread:
+            self._stop_progress_run()
+            return
+        loop = self._loop
+        if loop is not None and not self._shutting_down:
+            try:
+                loop.call_soon_threadsafe(self._stop_progress_run)
+            except RuntimeError:  # the loop closed meanwhile: nothing to stop
+                pass
 
     def _stop_progress_run(self) -> None:
         """Make the progress thread's ``run_forever`` return (a no-op anywhere else:

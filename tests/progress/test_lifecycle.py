@@ -39,6 +39,27 @@ def test_a_thread_starts_runs_work_and_is_joined_on_close() -> None:
         progress.submit(loop_running())
 
 
+def test_a_hand_over_that_finished_first_still_leaves_the_loop_to_the_caller() -> None:
+    """``run()`` hands its operation to the progress thread and attaches a callback that
+    makes the thread let go of the loop; when the operation finished before the callback
+    was attached, the callback runs on the caller's thread. It must still make the
+    progress thread let go (it used to be a no-op there, so the thread kept the loop and
+    the caller could never drive it: seen in CI under load)."""
+    caller = threading.current_thread()
+    with ProgressThread(name="netdist-progress-test", linger=JOIN_SECONDS).start() as progress:
+        on_thread = threading.Event()
+        progress.loop.call_soon_threadsafe(on_thread.set)
+        assert on_thread.wait(JOIN_SECONDS)  # the progress thread is running the loop
+        assert progress.try_call(threading.current_thread) == (False, None)
+        progress._leave_loop_to_caller(None)  # as add_done_callback on a done future does
+        deadline = time.monotonic() + JOIN_SECONDS
+        held, ran_on = progress.try_call(threading.current_thread)
+        while not held and time.monotonic() < deadline:  # until it has let go of it
+            time.sleep(0.001)
+            held, ran_on = progress.try_call(threading.current_thread)
+        assert (held, ran_on) == (True, caller)
+
+
 def test_try_call_runs_on_the_caller_only_while_it_can_hold_the_loop() -> None:
     caller = threading.current_thread()
 
