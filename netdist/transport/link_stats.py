@@ -50,6 +50,10 @@ RETRANSMIT_BACKOFF_CAP = 1.0
 """Seconds: the longest TCP may wait between two retransmissions of the same bytes, where
 the kernel lets a socket set it (``TCP_RTO_MAX_MS``; 1 s is the smallest it accepts)."""
 
+KERNEL_GIVE_UP_MS = 120_000
+"""Milliseconds of unacknowledged data after which the kernel drops a connection whose
+back-off is capped (``TCP_USER_TIMEOUT``; see ``cap_retransmit_backoff``)."""
+
 _TCP_RTO_MAX_MS = 44  # linux/tcp.h, since 6.15
 _TCP_THIN_LINEAR_TIMEOUTS = 16  # linux/tcp.h, since 2.6.34
 _TCP_INFO = getattr(socket, "TCP_INFO", None)
@@ -161,6 +165,16 @@ def cap_retransmit_backoff(sock: socket.socket, seconds: float = RETRANSMIT_BACK
         sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MAX_MS, max(1000, int(seconds * 1000)))
     except OSError:
         return False
+    try:
+        # The kernel gives up on a connection after a number of retries it turns into a
+        # time by assuming the back-off doubles up to TCP_RTO_MAX_MS: with the cap, 15
+        # retries (tcp_retries2) last about 13 s and an orphan's 8 about 6 s, so on a
+        # lossy link it would drop a live connection, or a closed socket's last bytes (a
+        # rendezvous table), long before the liveness rules decide. A time budget keeps
+        # retrying for KERNEL_GIVE_UP seconds instead; liveness names a dead peer sooner.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, KERNEL_GIVE_UP_MS)
+    except (OSError, AttributeError):
+        pass
     return True
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from netdist.errors import UndeliveredError
 from netdist.transport.link_stats import (
+    KERNEL_GIVE_UP_MS,
     LOSSY_LINK_FACTOR,
     LinkWatch,
     TcpStats,
@@ -98,7 +99,10 @@ def test_the_kernel_counts_what_a_real_connection_moved() -> None:
         assert stats.bytes_acked is not None and stats.bytes_acked >= 100_000
         assert stats.retransmits == 0
         assert unsent_bytes(client) == 0
-        assert isinstance(cap_retransmit_backoff(client), bool)
+        if cap_retransmit_backoff(client):  # the kernel took the cap: retries are timed
+            assert client.getsockopt(socket.IPPROTO_TCP, 44) == 1000  # TCP_RTO_MAX_MS
+            assert client.getsockopt(socket.IPPROTO_TCP,
+                                     socket.TCP_USER_TIMEOUT) == KERNEL_GIVE_UP_MS
     finally:
         for sock in (client, server, listener):
             sock.close()
