@@ -534,11 +534,11 @@ class TcpTransport(Transport):
                     conn.write_control(_HEARTBEAT)
                 conn.watch_link(now)
                 silent = min(silent, now - responsive_since)
-                if silent > limit and silent > conn.link.window(limit):
+                allowed = conn.link.window(limit) if silent > limit else limit
+                if silent > allowed:
                     window = (f"the liveness window of {limit:g}s, stretched to "
-                              f"{conn.link.window(limit):g}s because the link was losing "
-                              "packets" if conn.link.lossy(limit)
-                              else f"the liveness window of {limit:g}s")
+                              f"{allowed:g}s because the link was losing packets"
+                              if allowed > limit else f"the liveness window of {limit:g}s")
                     conn.fail(
                         f"rank {conn.peer_rank} sent nothing for {silent:.1f}s, beyond "
                         f"{window} (NETDIST_HEARTBEAT_INTERVAL="

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["NetLab", "Host", "Link", "netlab_missing", "require_netlab"]
+__all__ = ["NetLab", "Host", "Link", "netlab_missing", "require_netlab", "rank_env"]
 
 _PREFIX = "ndt"
 _COMMAND_TIMEOUT = 20.0
@@ -88,6 +88,15 @@ def require_netlab() -> None:
     if missing is not None:
         from tests.conftest import require_in_ci
         require_in_ci(missing)
+
+
+def rank_env(host: Host, **extra: str) -> dict[str, str]:
+    """The environment for a rank started in ``host``: this process's, less any
+    ``NETDIST_*`` / ``MASTER_*`` it carries, with ``NETDIST_HOST_ID`` naming the host (so
+    ranks in different namespaces never share memory) and unbuffered output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NETDIST_", "MASTER_"))}
+    env.update(NETDIST_HOST_ID=host.name, PYTHONUNBUFFERED="1", **extra)
+    return env
 
 
 def _pid_alive(pid: int) -> bool:

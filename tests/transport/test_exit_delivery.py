@@ -14,7 +14,6 @@ link of its own, all at once; every receiver must get every byte, bit for bit.
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.netlab import NetLab, require_netlab
+from tests.netlab import NetLab, rank_env, require_netlab
 from tests.transport.exit_worker import pattern
 
 pytestmark = pytest.mark.slow
@@ -32,15 +31,8 @@ RUNS = 10
 NBYTES = 2 * 1024 * 1024
 RATE_MBIT = 1.0
 PORT = 29511
+TOKEN = "exit-test-token-0123456789abcdef"
 DEADLINE = 280.0  # 2 MiB at 1 Mbit/s is 17 s; the rest is start-up on a busy 2-core box
-
-
-def _env(host_id: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NETDIST_", "MASTER_"))}
-    env["NETDIST_HOST_ID"] = host_id
-    env["NETDIST_TOKEN"] = "exit-test-token-0123456789abcdef"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 @pytest.mark.timeout(DEADLINE + 60)
@@ -60,7 +52,7 @@ def test_exit_right_after_sending_delivers_every_byte(mode: str) -> None:
                                     (1, receiver, link.address_b)):
                 argv = [sys.executable, "-m", "tests.transport.exit_worker", mode, str(rank),
                         link.address_a, str(PORT), str(NBYTES), own]
-                procs.append(lab.popen(host, argv, env=_env(host.name), cwd=REPO_ROOT,
+                procs.append(lab.popen(host, argv, env=rank_env(host, NETDIST_TOKEN=TOKEN), cwd=REPO_ROOT,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE))
             jobs.append(procs)
         deadline = time.monotonic() + DEADLINE

@@ -25,7 +25,7 @@ import pytest
 
 from netdist.config import DistributedConfig
 from netdist.transport.link_stats import LOSSY_LINK_FACTOR
-from tests.netlab import Host, NetLab, require_netlab
+from tests.netlab import Host, NetLab, rank_env, require_netlab
 from tests.transport.lossy_worker import expected_total
 
 pytestmark = pytest.mark.slow
@@ -41,18 +41,11 @@ BOUND = WINDOW * LOSSY_LINK_FACTOR
 SLACK = 8.0  # a monitor tick, the link's delay and a busy 2-core machine's scheduling
 
 
-def _env(host: Host) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NETDIST_", "MASTER_"))}
-    env["NETDIST_HOST_ID"] = host.name
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 def _start(lab: NetLab, mode: str, rank: int, host: Host, coordinator: str,
            own: str) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "tests.transport.lossy_worker", mode, str(rank), coordinator,
             str(PORT), own]
-    return lab.popen(host, argv, env=_env(host), cwd=REPO_ROOT, stdin=subprocess.PIPE,
+    return lab.popen(host, argv, env=rank_env(host), cwd=REPO_ROOT, stdin=subprocess.PIPE,
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
