@@ -25,9 +25,14 @@ are computed alike on every rank, so every rank names the same tags without a me
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from netdist.errors import CollectiveError
+
 __all__ = [
+    "next_root_group",
+    "reserve_tags",
     "GROUP_FLAG",
     "RESERVED_BIT",
     "GID_SHIFT",
@@ -123,3 +128,45 @@ def reserved_range(ranks: tuple[int, ...], owner: str, index: int) -> TagRange:
         raise ValueError(f"range index must be >= 0, got {index}")
     base = GROUP_FLAG | RESERVED_BIT | (range_id(ranks, owner, index) << RANGE_SHIFT)
     return TagRange(owner, base)
+
+
+_ROOT_COUNT_ATTRIBUTE = "_netdist_root_groups"
+_RANGES_ATTRIBUTE = "_netdist_tag_ranges"
+
+
+def next_root_group(transport: object) -> int:
+    """Number the next root ``Group`` built on ``transport``: 0, 1, 2, ...
+
+    Every rank builds its root groups in the same order, so equal numbers name the same
+    group on every rank and give it the same tag namespace. The count lives on the
+    transport object (groups of different transports never share it), owned by ``Group``.
+    """
+    created: int = getattr(transport, _ROOT_COUNT_ATTRIBUTE, 0)
+    setattr(transport, _ROOT_COUNT_ATTRIBUTE, created + 1)
+    return created
+
+
+def reserve_tags(transport: object, ranks: Sequence[int], owner: str) -> TagRange:
+    """Reserve the next tag range of ``owner`` among transport ``ranks`` on ``transport``.
+
+    The n-th reservation of ``owner`` among the same ranks gets the same range on every
+    rank, so the ranks that will talk on it must reserve in the same order (as they
+    build subgroups); a second parameter server or pipeline on those ranks gets a range
+    of its own. The ranges live in the reserved space (above),
+    apart from application tags and from every group's collectives. ``Group.reserve_tags``
+    is this for the group's members; layers given a bare transport call it with every rank.
+    """
+    members = tuple(int(r) for r in ranks)
+    taken: dict[tuple[tuple[int, ...], str], int] = getattr(transport, _RANGES_ATTRIBUTE, None) or {}
+    index = taken.get((members, owner), 0)
+    tag_range = reserved_range(members, owner, index)
+    for (other_ranks, other_owner), count in taken.items():
+        if (other_ranks, other_owner) != (members, owner) and any(
+                reserved_range(other_ranks, other_owner, i).base == tag_range.base
+                for i in range(count)):
+            raise CollectiveError(f"tag range of {owner!r} on ranks {list(members)} collides "
+                                  f"with one of {other_owner!r} on ranks {list(other_ranks)}; "
+                                  f"use another owner name")
+    taken[(members, owner)] = index + 1
+    setattr(transport, _RANGES_ATTRIBUTE, taken)
+    return tag_range

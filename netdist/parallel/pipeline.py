@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from netdist.collectives.group import reserve_tags
+from netdist.collectives.tags import reserve_tags
 from netdist.collectives.tags import TagRange
 from netdist.errors import PipelineError
 from netdist.parallel.schedule import (

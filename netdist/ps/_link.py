@@ -18,7 +18,7 @@ from typing import Any, Protocol, Self, TypeVar
 
 import numpy as np
 
-from netdist.collectives.group import reserve_tags
+from netdist.collectives.tags import reserve_tags
 from netdist.collectives.tags import TagRange
 from netdist.errors import NotInGroupError, PeerLostError
 from netdist.ps.protocol import check_tag_range

@@ -503,16 +503,16 @@ async def test_group_defaults_and_identity() -> None:
 
 
 def test_segment_sizes_adapt_to_the_message() -> None:
-    from netdist.collectives.group import MIN_SEGMENT_BYTES, PIECES
+    from netdist.collectives.routes import MIN_SEGMENT_BYTES, PIECES, segment_elements
 
     transport = InProcessTransport.create_group(1)[0]
     g = Group(transport, segment_bytes=4 << 20)
-    f4 = np.dtype(np.float32)
-    assert g._segment(f4, 256 << 20, PIECES) == (4 << 20) // 4  # capped at segment_bytes
-    assert g._segment(f4, 4 << 20, 4) == (1 << 20) // 4  # a quarter of the chunk
-    assert g._segment(f4, 100, 4) == MIN_SEGMENT_BYTES // 4  # never below the minimum
+    f4 = np.dtype(np.float32).itemsize
+    assert segment_elements(f4, 256 << 20, PIECES, g.segment_bytes) == (4 << 20) // 4  # capped at segment_bytes
+    assert segment_elements(f4, 4 << 20, 4, g.segment_bytes) == (1 << 20) // 4  # a quarter of the chunk
+    assert segment_elements(f4, 100, 4, g.segment_bytes) == MIN_SEGMENT_BYTES // 4  # never below the minimum
     tiny = Group(transport, segment_bytes=64)
-    assert tiny._segment(f4, 4 << 20, 4) == 16  # an explicit small segment_bytes wins
+    assert segment_elements(f4, 4 << 20, 4, tiny.segment_bytes) == 16  # an explicit small segment_bytes wins
     with pytest.raises(ValueError):
         Group(transport, segment_bytes=0)
     with pytest.raises(ValueError):

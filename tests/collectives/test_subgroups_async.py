@@ -140,8 +140,9 @@ async def test_tags_are_above_application_space_and_distinct() -> None:
 
     async def body(g: Group) -> None:
         sub = g.new_group([0, 1])
-        tags = {g._next_tag(), g._next_tag(), sub._next_tag(), g._p2p_tag(0),
-                g._p2p_tag(P2P_TAG_LIMIT - 1), sub._p2p_tag(0)}
+        tags = {g._channel("a", None).tag, g._channel("b", None).tag,
+                sub._channel("c", None).tag, g._ops.p2p_tag(0),
+                g._ops.p2p_tag(P2P_TAG_LIMIT - 1), sub._ops.p2p_tag(0)}
         assert len(tags) == 6
         assert all(2**32 <= t < BARRIER_TAG for t in tags)
         # keep the counters in step on both ranks (they were advanced identically)

@@ -1,5 +1,9 @@
-"""A ``Group``'s receives: where a message lands and what comes back (``recv``,
-``recv_any``), and the receive from whichever of several members sends first.
+"""Point to point within a group: ``send``, ``recv`` and ``recv_any``.
+
+Each ``prepare_*`` checks its arguments and returns ``(deadline, peer, body)``: the
+deadline ``Group`` runs ``body`` under and the group rank a timeout names (-1: several).
+Tags are the group's (``OpContext.p2p_tag``): they never meet the parent's or another
+group's.
 
 The transport receives from one named peer, so a receive from any of several members
 (``recv_from_any``) polls them in turn, each with a short receive (``ANY_SOURCE_POLL``)
@@ -13,7 +17,7 @@ at least once."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,11 +25,16 @@ import numpy as np
 from netdist.collectives.channel import Channel
 from netdist.collectives.tags import P2P_TAG_LIMIT
 from netdist.errors import LocalProtocolError, NetdistTimeoutError
-from netdist.tensors import StagedOut, numpy_result, stage_out
+from netdist.collectives.ops.arguments import timeout_value
+from netdist.collectives.ops.context import OpContext
+from netdist.tensors import StagedOut, as_array, is_tensor, numpy_result, stage_out
 from netdist.transport.mailbox import byte_view, check_out_buffer
 
-__all__ = ["ANY_SOURCE_POLL", "recv_from_any", "recv_from_any_limit", "recv_landing",
-           "recv_result"]
+__all__ = ["ANY_SOURCE_POLL", "prepare_recv", "prepare_recv_any", "prepare_send",
+           "recv_from_any", "recv_from_any_limit", "recv_landing", "recv_result"]
+
+Prepared = tuple[float, int, Callable[[], Awaitable[Any]]]
+"""``(deadline, peer, body)`` of one point-to-point call."""
 
 ANY_SOURCE_POLL = 0.05
 """Seconds a receive from any source waits on each member before asking the next."""
@@ -92,3 +101,63 @@ async def recv_from_any(chan: Channel, sources: Sequence[int], timeout: float,
             raise NetdistTimeoutError(
                 f"no message on tag {chan.tag % P2P_TAG_LIMIT} from group rank"
                 f"{'s' if len(sources) > 1 else ''} {listed} within {timeout:.2f}s")
+
+
+def prepare_send(ctx: OpContext, array: Any, dst: int, tag: int,
+                 timeout: float | None) -> Prepared:
+    """Check ``send``'s arguments; the body sending ``array`` (ndarray, CPU tensor or
+    bytes-like; a non-contiguous one from a contiguous copy) to group rank ``dst``."""
+    if not isinstance(array, np.ndarray) and is_tensor(array):
+        array = as_array(array, "send")
+    dst = ctx.peer(dst, "send dst")
+    if dst == ctx.rank:
+        raise ValueError(f"send dst {dst} is this rank")
+    wire_tag = ctx.p2p_tag(tag)
+    deadline = timeout_value(timeout, "timeout") or ctx.timeout
+    target = ctx.ranks[dst]
+
+    async def body() -> None:
+        await ctx.transport.send(target, array, tag=wire_tag, timeout=deadline)
+
+    return deadline, dst, body
+
+
+def prepare_recv(ctx: OpContext, src: int, tag: int, out: Any,
+                 timeout: float | None) -> Prepared:
+    """Check ``recv``'s arguments; the body receiving the next message from group rank
+    ``src`` on ``tag`` (into ``out``, returned, when given)."""
+    src = ctx.peer(src, "recv src")
+    if src == ctx.rank:
+        raise ValueError(f"recv src {src} is this rank")
+    wire_tag = ctx.p2p_tag(tag)
+    deadline = timeout_value(timeout, "timeout") or ctx.timeout
+    source = ctx.ranks[src]
+    into, staged = recv_landing(out, "recv")
+
+    async def body() -> Any:
+        result = await ctx.transport.recv(source, tag=wire_tag, out=into, timeout=deadline)
+        return recv_result(result, out, staged, "recv")
+
+    return deadline, src, body
+
+
+def prepare_recv_any(ctx: OpContext, sources: Sequence[int] | None, tag: int, out: Any,
+                     timeout: float | None) -> Prepared:
+    """Check ``recv_any``'s arguments; the body returning ``(src, message)`` from
+    whichever of ``sources`` (default: every other member) sends first."""
+    if sources is None:
+        sources = [r for r in range(ctx.world_size) if r != ctx.rank]
+    peers = [ctx.peer(s, "recv_any source") for s in sources]
+    if not peers or ctx.rank in peers or len(set(peers)) != len(peers):
+        raise ValueError(f"recv_any sources must be other members, each once, got "
+                         f"{peers} on group rank {ctx.rank}")
+    wire_tag = ctx.p2p_tag(tag)
+    deadline = timeout_value(timeout, "timeout") or ctx.timeout
+    into, staged = recv_landing(out, "recv_any")
+    chan = Channel(ctx.transport, ctx.ranks, ctx.rank, wire_tag, deadline, "recv_any")
+
+    async def body() -> Any:
+        src, message = await recv_from_any(chan, peers, deadline, into)
+        return src, recv_result(message, out, staged, "recv_any")
+
+    return recv_from_any_limit(deadline, len(peers)), -1, body

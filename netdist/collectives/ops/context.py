@@ -1,0 +1,76 @@
+"""``OpContext``: what a collective operation sees of its group.
+
+A group hands the same context to every operation it issues: who takes part (the
+transport, the members, this rank), how the algorithms are tuned, and the two one-host
+paths whose turns calls queue for in issue order (the arena for large messages, the lane
+for small all-reduces). Operations never reach back into ``Group``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from netdist.collectives.hosts import LocalMode
+from netdist.collectives.lane import LanePath
+from netdist.collectives.local import HostArena, HostPath
+from netdist.collectives.tags import P2P_BIT, P2P_TAG_LIMIT
+from netdist.collectives.routes import Operation, Route, Turn, Tuning, plan
+from netdist.transport.base import Transport
+
+__all__ = ["OpContext", "arena_mode"]
+
+
+@dataclass
+class OpContext:
+    """Members, tuning and one-host paths of one group, shared by its operations."""
+
+    transport: Transport
+    ranks: tuple[int, ...]
+    """Group rank -> transport rank."""
+    rank: int
+    """This process's group rank (-1: not a member)."""
+    tuning: Tuning
+    host: HostPath
+    lane: LanePath
+    timeout: float
+    """The group's default deadline of each call, in seconds."""
+    tag_base: int
+    """The group's tag namespace (``netdist.collectives.tags``)."""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def peer(self, peer: Any, what: str) -> int:
+        """``peer`` as a group rank; ``TypeError`` / ``ValueError`` naming ``what``."""
+        if not isinstance(peer, (int, np.integer)) or isinstance(peer, bool):
+            raise TypeError(f"{what} must be an int group rank, got {type(peer).__name__}")
+        if not 0 <= peer < len(self.ranks):
+            raise ValueError(f"{what} {peer} is outside 0..{len(self.ranks) - 1}")
+        return int(peer)
+
+    def p2p_tag(self, tag: Any) -> int:
+        """The wire tag of the group's point-to-point ``tag`` (< ``P2P_TAG_LIMIT``)."""
+        if not isinstance(tag, (int, np.integer)) or isinstance(tag, bool):
+            raise TypeError(f"tag must be an int, got {type(tag).__name__}")
+        if not 0 <= tag < P2P_TAG_LIMIT:
+            raise ValueError(f"group send/recv tag must be in 0..{P2P_TAG_LIMIT - 1}, got {tag}")
+        return self.tag_base | P2P_BIT | int(tag)
+
+    def route(self, op: Operation, nbytes: int, itemsize: int) -> tuple[Route, int | None]:
+        """The route of a call (``routes.plan``) and its turn's ticket, taken now, at issue,
+        in issue order (``None``: the route takes no turn)."""
+        route = plan(op, nbytes, itemsize, len(self.ranks), self.tuning)
+        if route.turn is Turn.HOST:
+            return route, self.host.ticket()
+        if route.turn is Turn.LANE:
+            return route, self.lane.ticket()
+        return route, None
+
+
+def arena_mode(arena: HostArena | None) -> LocalMode | None:
+    """The ``LocalMode`` of the arena a host turn gave (``None``: no arena)."""
+    return None if arena is None else arena.layout.mode

@@ -1,0 +1,231 @@
+"""PURE route planner: the only place a collective's algorithm is chosen.
+
+A collective's route is decided in two steps, both here:
+
+1. **At issue** (``plan``), from what every rank knows alike -- the operation, the
+   message size, the group size and the group's ``Tuning`` -- the planner picks which
+   one-host *turn* the call takes (``Turn``) and the algorithm for each answer that turn
+   can give. Turns are taken in issue order on every rank, so this step must not depend
+   on anything that may differ between ranks.
+2. **Inside the turn** (``Route.settle``), once the ranks have agreed whether they share
+   a host (the lane is up, or the arena's ``LocalMode``), the route names the one
+   algorithm that runs. ``all_gather`` without ``out=`` learns its size only after the
+   shape exchange, so its second step also takes the total size
+   (``all_gather_algorithm``).
+
+The algorithms, for a group of ``n`` ranks and ``small_message_bytes`` (default 1 MiB):
+
+- ``all_reduce``: up to the threshold, recursive doubling (``log2 n`` rounds, with the fold
+  for non-powers of two), through the shared-memory lane when the message fits it
+  (``LANE_BYTES``) and every rank is on one host; above it, the host arena when the ranks
+  share hosts, else a pipelined ring reduce-scatter + all-gather, so each rank sends and
+  receives ``2(n-1)/n`` of the data.
+- ``reduce_scatter`` / ``all_gather``: above the threshold the arena on a single host,
+  else the ring; below it the all-reduce (keeping the own chunk) and Bruck's all-gather.
+- ``broadcast``: binomial tree below, above it the arena or a pipelined chain.
+  ``reduce``: binomial tree below, ring reduce-scatter + direct gather to the root above.
+- ``gather`` / ``scatter``: linear (the root talks to every rank at once); ``all_to_all``:
+  every pair at once; ``barrier``: dissemination; the object collectives: Bruck's
+  all-gather and the binomial tree over byte blobs.
+
+Every rank ends an all-reduce with bitwise-identical results: the ring reduces each chunk
+along one fixed chain and copies the result, recursive doubling combines operands lower
+rank first everywhere, and the lane and the arena reduce in one fixed order.
+
+Pipelined algorithms cut each ring step's chunk into about ``PIECES`` segments of
+``MIN_SEGMENT_BYTES .. segment_bytes`` (``segment_elements``): segments amortise
+Python's per-message cost, and several per step let step ``t + 1`` start before step
+``t`` has finished.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from netdist.collectives.hosts import LocalMode
+
+__all__ = [
+    "Algorithm",
+    "DEFAULT_SEGMENT_BYTES",
+    "DEFAULT_SMALL_MESSAGE_BYTES",
+    "LANE_BYTES",
+    "MIN_SEGMENT_BYTES",
+    "Operation",
+    "PIECES",
+    "Route",
+    "Turn",
+    "Tuning",
+    "all_gather_algorithm",
+    "plan",
+    "segment_elements",
+]
+
+DEFAULT_SMALL_MESSAGE_BYTES = 1024 * 1024
+"""Messages up to this many bytes use the latency-optimal algorithms."""
+
+DEFAULT_SEGMENT_BYTES = 4 * 1024 * 1024
+"""Largest pipeline segment of the ring and chain algorithms."""
+
+DEFAULT_PIPELINE_DEPTH = 4
+"""Scratch segments the in-place ring all-reduce rotates through."""
+
+LANE_BYTES = 8 * 1024
+"""Largest all-reduce the shared-memory lane carries."""
+
+PIECES = 4
+"""Each ring step's chunk is cut into about this many segments (a chain broadcast into
+twice as many), within ``MIN_SEGMENT_BYTES .. segment_bytes``."""
+
+MIN_SEGMENT_BYTES = 256 * 1024
+"""Smallest segment the ring and chain algorithms cut a mid-sized message into."""
+
+UNKNOWN_SIZE = -1
+"""``plan``'s ``nbytes`` for an ``all_gather`` whose size the shape exchange will tell."""
+
+
+class Operation(enum.Enum):
+    """The collectives whose algorithm depends on size or host layout."""
+
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    BROADCAST = "broadcast"
+    REDUCE = "reduce"
+
+
+class Algorithm(enum.Enum):
+    """What moves the bytes of one collective call."""
+
+    NOTHING = "nothing"
+    """One member, or no data: nothing crosses a link (a reduce-scatter copies its chunk)."""
+    DOUBLING = "recursive doubling"
+    """All-reduce in ``log2 n`` rounds (``reduce_scatter``: of a copy, keeping the chunk)."""
+    LANE = "shared-memory lane"
+    """Small all-reduce through a segment shared by every rank of the one host."""
+    ARENA = "host arena"
+    """Payloads through the host's shared segment, TCP only between hosts."""
+    RING = "ring"
+    """Pipelined ring (``reduce``: ring reduce-scatter, then a direct gather to the root)."""
+    BRUCK = "bruck"
+    """All-gather in ``ceil(log2 n)`` rounds."""
+    TREE = "binomial tree"
+    """Rooted broadcast or reduce in ``ceil(log2 n)`` rounds."""
+    CHAIN = "pipelined chain"
+    """Broadcast along a chain from the root, segment by segment."""
+
+
+class Turn(enum.Enum):
+    """Which one-host path a call queues for at issue (one turn at a time per path)."""
+
+    NONE = "none"
+    LANE = "lane"
+    HOST = "host"
+
+
+@dataclass
+class Tuning:
+    """A group's algorithm thresholds; every rank of a group must use the same values."""
+
+    small_message_bytes: int = DEFAULT_SMALL_MESSAGE_BYTES
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    pipeline_depth: int = DEFAULT_PIPELINE_DEPTH
+
+
+@dataclass(frozen=True)
+class Route:
+    """The plan of one call: the turn it takes and what runs for each answer of the turn.
+
+    ``shared`` runs when the turn offers shared memory for this operation, ``otherwise``
+    when it does not (or when there is no turn). ``segment`` is the pipeline segment in
+    elements (0 where nothing is pipelined).
+    """
+
+    turn: Turn
+    shared: Algorithm
+    otherwise: Algorithm
+    segment: int = 0
+    arena_modes: frozenset[LocalMode] = frozenset()
+    """The arena modes in which ``shared`` runs (a ``Turn.HOST`` route)."""
+
+    def settle(self, lane_up: bool = False, arena: LocalMode | None = None) -> Algorithm:
+        """The algorithm that runs, once the turn has told whether the lane is up or
+        which arena the ranks share (``None``: no arena)."""
+        if self.turn is Turn.LANE:
+            return self.shared if lane_up else self.otherwise
+        if self.turn is Turn.HOST:
+            return self.shared if arena in self.arena_modes else self.otherwise
+        return self.otherwise
+
+
+_ANY_ARENA = frozenset({LocalMode.SINGLE_HOST, LocalMode.HIERARCHICAL})
+_SINGLE_HOST = frozenset({LocalMode.SINGLE_HOST})
+
+
+def segment_elements(itemsize: int, nbytes: int, pieces: int, segment_bytes: int) -> int:
+    """Segment length in elements for pipelining ``nbytes`` in about ``pieces`` parts.
+
+    ``segment_bytes`` is the largest segment; smaller messages are cut finer (down to
+    ``MIN_SEGMENT_BYTES``) so that a step can forward its first segment long before its
+    last one has arrived.
+    """
+    seg = min(segment_bytes, max(min(MIN_SEGMENT_BYTES, segment_bytes), nbytes // pieces))
+    return max(1, seg // max(1, itemsize))
+
+
+def plan(op: Operation, nbytes: int, itemsize: int, world_size: int, tuning: Tuning) -> Route:
+    """The route of ``op`` over ``nbytes`` (elements of ``itemsize`` bytes) among
+    ``world_size`` ranks; ``nbytes`` is ``UNKNOWN_SIZE`` for an ``all_gather`` whose size
+    the shape exchange will tell. Depends only on what every rank knows alike."""
+    n = world_size
+    small = tuning.small_message_bytes
+    if n < 2 or nbytes == 0:
+        return Route(Turn.NONE, Algorithm.NOTHING, Algorithm.NOTHING)
+    large = nbytes == UNKNOWN_SIZE or nbytes > small
+    if op is Operation.ALL_REDUCE:
+        if large:
+            return Route(Turn.HOST, Algorithm.ARENA, Algorithm.RING,
+                         segment_elements(itemsize, nbytes // n, PIECES, tuning.segment_bytes),
+                         _ANY_ARENA)
+        if nbytes <= LANE_BYTES:
+            return Route(Turn.LANE, Algorithm.LANE, Algorithm.DOUBLING)
+        return Route(Turn.NONE, Algorithm.DOUBLING, Algorithm.DOUBLING)
+    if op is Operation.REDUCE_SCATTER:
+        if large:
+            return Route(Turn.HOST, Algorithm.ARENA, Algorithm.RING,
+                         segment_elements(itemsize, nbytes // n, PIECES, tuning.segment_bytes),
+                         _SINGLE_HOST)
+        return Route(Turn.NONE, Algorithm.DOUBLING, Algorithm.DOUBLING)
+    if op is Operation.ALL_GATHER:
+        # the arena can carry it only when it is large; which algorithm runs is told
+        # once the size is known (``all_gather_algorithm``)
+        if large:
+            return Route(Turn.HOST, Algorithm.ARENA, Algorithm.RING, 0, _SINGLE_HOST)
+        return Route(Turn.NONE, Algorithm.BRUCK, Algorithm.BRUCK)
+    if op is Operation.BROADCAST:
+        if not large:
+            return Route(Turn.NONE, Algorithm.TREE, Algorithm.TREE)
+        # a chain of two has nothing to overlap: one message is cheapest
+        segment = (nbytes // max(1, itemsize) if n == 2 else
+                   segment_elements(itemsize, nbytes, 2 * PIECES, tuning.segment_bytes))
+        return Route(Turn.HOST, Algorithm.ARENA, Algorithm.CHAIN, segment, _ANY_ARENA)
+    if op is Operation.REDUCE:
+        if not large:
+            return Route(Turn.NONE, Algorithm.TREE, Algorithm.TREE)
+        return Route(Turn.NONE, Algorithm.RING, Algorithm.RING,
+                     segment_elements(itemsize, nbytes // n, PIECES, tuning.segment_bytes))
+    raise ValueError(f"no route for {op!r}")
+
+
+def all_gather_algorithm(route: Route, total_nbytes: int, itemsize: int, world_size: int,
+                         arena: LocalMode | None, tuning: Tuning) -> tuple[Algorithm, int]:
+    """``(algorithm, segment)`` of an ``all_gather`` once its total size is known (after
+    the shape exchange, inside the turn ``route`` took)."""
+    if world_size < 2 or total_nbytes == 0:
+        return Algorithm.NOTHING, 0
+    if total_nbytes <= tuning.small_message_bytes:
+        return Algorithm.BRUCK, 0
+    if route.settle(arena=arena) is Algorithm.ARENA:
+        return Algorithm.ARENA, 0
+    return Algorithm.RING, segment_elements(itemsize, total_nbytes // world_size, PIECES,
+                                            tuning.segment_bytes)
