@@ -10,8 +10,11 @@ and recv_any), subgroups and ``Work`` handles for overlapped communication.
     work = await group.all_gather(shard, async_op=True)
     full = await work
 
+The one-host data path (shared memory among the ranks of a host) is the subpackage
+``netdist.collectives.host``.
+
 Names resolve lazily (``netdist._lazy``): importing the PURE ``netdist.collectives.plan``
-or ``netdist.collectives.hosts`` does not import ``group.py`` and with it asyncio.
+or ``netdist.collectives.host.layout`` does not import ``group.py`` and with it asyncio.
 """
 
 from __future__ import annotations

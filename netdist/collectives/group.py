@@ -80,15 +80,16 @@ import msgpack
 import numpy as np
 
 from netdist.collectives.channel import Channel, CollectiveMismatchError, ScratchPool
-from netdist.collectives.hosts import LocalMode
-from netdist.collectives.lane import LANE_BYTES, LanePath
-from netdist.collectives.local import (
+from netdist.collectives.host.arena import (
     DEFAULT_SLOT_BYTES,
     HostArena,
     HostPath,
     host_all_reduce,
     host_broadcast,
 )
+from netdist.collectives.host.lane import LANE_BYTES, LanePath
+from netdist.collectives.host.layout import LocalMode
+from netdist.collectives.host.settings import ShmCopy, shared_memory_copy, shared_memory_enabled
 from netdist.collectives.monitored import root_monitored_barrier, root_monitored_limit
 from netdist.collectives.objects import pack_object_blob, unpack_object_blob
 from netdist.collectives.p2p import recv_from_any, recv_from_any_limit, recv_landing, recv_result
@@ -134,7 +135,6 @@ from netdist.errors import (
 )
 from netdist.sharding import chunk_bounds
 from netdist.transport.base import Transport
-from netdist.transport.shm import ShmCopy, shared_memory_copy, shared_memory_enabled
 from netdist.tensors import as_array, as_arrays, is_tensor, numpy_result, stage_out, to_tensor
 from netdist.types import (
     CARRIED_DTYPES,
