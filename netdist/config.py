@@ -533,8 +533,8 @@ def validate_environment(env: Mapping[str, str] | None = None) -> None:
     ``inf``, ``NETDIST_SHM=of``) is one line from the launcher instead of the same error
     from every rank. The variables a launcher sets per rank (``SET_BY_LAUNCHERS``) are left
     out. Settings whose rules live in higher layers (the parameter-server knobs in
-    ``netdist.ps.roles``, ``NETDIST_SHM_COPY`` in ``netdist.transport.shm``) are checked by
-    the launcher with those readers, since imports point down only.
+    ``netdist.ps.roles``, ``NETDIST_SHM_COPY`` in ``netdist.collectives.host.settings``) are
+    checked by the launcher with those readers, since imports point down only.
     """
     env = os.environ if env is None else env
     config_settings = _settings_from_env(env)

@@ -701,8 +701,8 @@ def check_environment(env: Mapping[str, str]) -> None:
     validate_environment(env)
     num_servers_from_env(env)
     max_staleness_from_env(env)
-    if env.get("NETDIST_SHM_COPY"):  # imported only then: it brings numpy (0.1 s)
-        from netdist.transport.shm import shared_memory_copy
+    if env.get("NETDIST_SHM_COPY"):
+        from netdist.collectives.host.settings import shared_memory_copy
 
         shared_memory_copy(None, environ=env)
     known = CONFIG_VARIABLES | SET_BY_LAUNCHERS | {

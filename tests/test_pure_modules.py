@@ -35,7 +35,9 @@ PURE = [
     "netdist.wire.*",
     "netdist.compression.*",
     "netdist.collectives.plan",
-    "netdist.collectives.hosts",
+    "netdist.collectives.routes",
+    "netdist.collectives.host.layout",
+    "netdist.collectives.host.settings",
     "netdist.collectives.tags",
     "netdist.ps.state",
     "netdist.ps.placement",
@@ -104,13 +106,20 @@ def _expand(entry: str) -> list[str]:
 
 
 def _packages() -> list[str]:
-    """``netdist`` and its subpackages (one level: there are no deeper ones), found
-    without importing them."""
+    """``netdist`` and its subpackages at every depth (``netdist.collectives.host``),
+    found without importing them."""
     import netdist
 
-    return ["netdist"] + sorted(info.name for info in
-                                pkgutil.iter_modules(netdist.__path__, "netdist.")
-                                if info.ispkg)
+    found = ["netdist"]
+    pending = [("netdist", list(netdist.__path__))]
+    while pending:
+        package, paths = pending.pop()
+        for info in pkgutil.iter_modules(paths, f"{package}."):
+            if info.ispkg:
+                found.append(info.name)
+                pending.append((info.name, [str(Path(p) / info.name.rsplit(".", 1)[1])
+                                            for p in paths]))
+    return sorted(found)
 
 
 def _under_eager_init(module: str) -> str | None:

@@ -184,7 +184,7 @@ def test_a_word_that_is_no_switch_is_refused(variable: str, value: str) -> None:
 
 
 def test_netdist_shm_typo_is_not_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    from netdist.transport.shm import shared_memory_enabled
+    from netdist.collectives.host.settings import shared_memory_enabled
 
     monkeypatch.setenv("NETDIST_SHM", "of")
     with pytest.raises(ConfigError, match=r"^NETDIST_SHM='of' is neither on"):

@@ -10,8 +10,11 @@ and recv_any), subgroups and ``Work`` handles for overlapped communication.
     work = await group.all_gather(shard, async_op=True)
     full = await work
 
+The one-host data path (shared memory among the ranks of a host) is the subpackage
+``netdist.collectives.host``.
+
 Names resolve lazily (``netdist._lazy``): importing the PURE ``netdist.collectives.plan``
-or ``netdist.collectives.hosts`` does not import ``group.py`` and with it asyncio.
+or ``netdist.collectives.host.layout`` does not import ``group.py`` and with it asyncio.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ _EXPORTS: dict[str, str] = {
     "Group": "netdist.collectives.group",
     "Work": "netdist.collectives.work",
     "CollectiveMismatchError": "netdist.errors",
-    "DEFAULT_SMALL_MESSAGE_BYTES": "netdist.collectives.group",
-    "DEFAULT_SEGMENT_BYTES": "netdist.collectives.group",
+    "DEFAULT_SMALL_MESSAGE_BYTES": "netdist.collectives.routes",
+    "DEFAULT_SEGMENT_BYTES": "netdist.collectives.routes",
     "P2P_TAG_LIMIT": "netdist.collectives.group",
 }
 
@@ -37,12 +40,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from netdist.collectives.group import (
-        DEFAULT_SEGMENT_BYTES,
-        DEFAULT_SMALL_MESSAGE_BYTES,
-        P2P_TAG_LIMIT,
-        Group,
-    )
+    from netdist.collectives.group import P2P_TAG_LIMIT, Group
+    from netdist.collectives.routes import DEFAULT_SEGMENT_BYTES, DEFAULT_SMALL_MESSAGE_BYTES
     from netdist.collectives.work import Work
     from netdist.errors import CollectiveMismatchError
 else:

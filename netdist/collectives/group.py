@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 import numpy as np
 
 from netdist.collectives.channel import Channel, CollectiveMismatchError, ScratchPool
-from netdist.collectives.hosts import LocalMode
-from netdist.collectives.lane import LanePath
-from netdist.collectives.local import DEFAULT_SLOT_BYTES, HostPath
+from netdist.collectives.host.layout import LocalMode
+from netdist.collectives.host.lane import LanePath
+from netdist.collectives.host.arena import DEFAULT_SLOT_BYTES, HostPath
 from netdist.collectives.monitored import root_monitored_limit
 from netdist.collectives.ops import all_reduce as _all_reduce
 from netdist.collectives.ops import exchange, p2p, rooted, scatter_gather
@@ -71,7 +71,7 @@ from netdist.errors import (
     TransportClosedError,
 )
 from netdist.transport.base import Transport
-from netdist.transport.shm import ShmCopy, shared_memory_copy, shared_memory_enabled
+from netdist.collectives.host.settings import ShmCopy, shared_memory_copy, shared_memory_enabled
 from netdist.types import ReduceOp, eager_start
 
 if TYPE_CHECKING:

@@ -30,6 +30,7 @@ from netdist.collectives.plan import (
     ring_all_reduce_plan,
     ring_reduce_scatter_plan,
 )
+from netdist.collectives.routes import DEFAULT_PIPELINE_DEPTH
 from netdist.types import ReduceOp, divide_into, reduce_into
 from netdist.types import combine as combine_ordered
 
@@ -39,13 +40,8 @@ __all__ = [
     "ring_reduce_scatter",
     "ring_all_gather",
     "chain_broadcast",
-    "DEFAULT_DEPTH",
     "MAX_POSTED",
 ]
-
-DEFAULT_DEPTH = 4
-"""Scratch segments an in-place reduce-scatter rotates through (receives into scratch
-are posted at most this far ahead)."""
 
 MAX_POSTED = 64
 """Receives a pipeline keeps posted at most."""
@@ -153,7 +149,7 @@ def _ring_sends(plan: RingPlan, flat: np.ndarray) -> list[tuple[np.ndarray, int]
 
 
 async def ring_all_reduce(chan: Channel, flat: np.ndarray, op: ReduceOp, segment: int,
-                          depth: int = DEFAULT_DEPTH, divisor: int | None = None) -> None:
+                          depth: int = DEFAULT_PIPELINE_DEPTH, divisor: int | None = None) -> None:
     """Ring reduce-scatter then ring all-gather of the 1-D ``flat``, in place.
 
     Reduce-scatter segments land in ``depth`` rotating scratch segments (from the

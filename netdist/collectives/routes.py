@@ -43,7 +43,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from netdist.collectives.hosts import LocalMode
+from netdist.collectives.host.layout import LocalMode
 
 __all__ = [
     "Algorithm",
@@ -68,10 +68,12 @@ DEFAULT_SEGMENT_BYTES = 4 * 1024 * 1024
 """Largest pipeline segment of the ring and chain algorithms."""
 
 DEFAULT_PIPELINE_DEPTH = 4
-"""Scratch segments the in-place ring all-reduce rotates through."""
+"""Scratch segments an in-place ring reduce-scatter rotates through (receives into
+scratch are posted at most this far ahead)."""
 
 LANE_BYTES = 8 * 1024
-"""Largest all-reduce the shared-memory lane carries."""
+"""Largest all-reduce (bytes per rank) that goes through the shared-memory lane
+(``host.lane``): where one message's wake-up, not its bytes, decides the time."""
 
 PIECES = 4
 """Each ring step's chunk is cut into about this many segments (a chain broadcast into

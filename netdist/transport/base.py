@@ -143,9 +143,9 @@ class Transport(abc.ABC):
         return 0.0
 
     def host_keys(self) -> tuple[bytes, ...] | None:
-        """Every rank's host key (``netdist.transport.shm.host_key``) in rank order, as
-        learnt when the job formed, or ``None`` if this transport does not know them (a
-        ``Group`` then asks its members)."""
+        """Every rank's host key (``netdist.transport.host_identity.host_key``) in rank
+        order, as learnt when the job formed, or ``None`` if this transport does not know
+        them (a ``Group`` then asks its members)."""
         return None
 
     async def find_lost_peers(self, peers: Sequence[int], *,

@@ -16,8 +16,8 @@ import numpy as np
 from netdist.errors import PeerLostError, TransportClosedError
 from netdist.transport.barrier import dissemination_barrier
 from netdist.transport.base import Transport, as_payload_array
+from netdist.transport.host_identity import host_key
 from netdist.transport.mailbox import PeerMailbox, byte_view
-from netdist.transport.shm import host_key
 
 __all__ = ["InProcessTransport"]
 

@@ -12,8 +12,9 @@ msgpack maps::
                     or    ERROR {reason, code, missing}
                           code: "duplicate_rank" | "world_size" | "timeout" | "bad_request"
 
-``host_key`` (optional, 32 hex digits; ``netdist.transport.shm.host_key``) tells which
-ranks share a host and can share memory, so groups know it without another exchange.
+``host_key`` (optional, 32 hex digits; ``netdist.transport.host_identity.host_key``)
+tells which ranks share a host and can share memory, so groups know it without another
+exchange.
 The table goes out once every rank has registered. A duplicate rank or a world-size
 mismatch is refused (``RendezvousError`` on the offender, the job continues to wait for
 the right process); ranks that never arrive make every registered rank raise

@@ -98,8 +98,8 @@ from netdist.transport.links import (
     tie_refusal,
     unreachable_reason,
 )
+from netdist.transport.host_identity import host_key
 from netdist.transport.mailbox import PeerMailbox
-from netdist.transport.shm import host_key
 from netdist.transport.spin import SpinPolicy, default_spin_seconds, ranks_sharing_host
 from netdist.transport.rendezvous import (
     Coordinator,

@@ -1,4 +1,4 @@
-"""The shared-memory lane of small all-reduces (``netdist.collectives.lane``).
+"""The shared-memory lane of small all-reduces (``netdist.collectives.host.lane``).
 
 In one event loop (in-process ranks, where the lane never polls: every round that
 finds a peer behind sleeps on a wake-up) the results are checked bitwise against the
@@ -17,7 +17,7 @@ import pytest
 
 from netdist.collectives import Group
 from netdist.collectives.channel import Channel
-from netdist.collectives.lane import (
+from netdist.collectives.host.lane import (
     LANE_BYTES,
     SUB_LANE_WAKE,
     HostLane,
@@ -25,9 +25,9 @@ from netdist.collectives.lane import (
     lane_segment_bytes,
     lane_supported,
 )
+from netdist.collectives.host.segments import SharedSegment
 from netdist.errors import CollectiveMismatchError, NetdistTimeoutError
 from netdist.transport import InProcessTransport
-from netdist.transport.shm import SharedSegment
 from netdist.types import ReduceOp, combine
 
 from .helpers import assert_bitwise_equal, assert_survivors_failed_naming

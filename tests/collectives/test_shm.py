@@ -14,19 +14,13 @@ import numpy as np
 import pytest
 
 from netdist.collectives import Group
-from netdist.collectives.hosts import MAX_LOCAL_RANKS, HostLayout, LocalMode
+from netdist.collectives.host import attach
+from netdist.collectives.host.arena import FOLD_BLOCK_BYTES
+from netdist.collectives.host.layout import MAX_LOCAL_RANKS, HostLayout, LocalMode
+from netdist.collectives.host.segments import HEADER_BYTES, SegmentLocator, SharedSegment
+from netdist.collectives.host.settings import ShmCopy, shared_memory_copy, shared_memory_enabled
 from netdist.errors import CollectiveMismatchError, SharedMemoryError
-from netdist.collectives.local import FOLD_BLOCK_BYTES
-from netdist.transport import cma
-from netdist.transport.shm import (
-    HEADER_BYTES,
-    SegmentLocator,
-    SharedSegment,
-    ShmCopy,
-    host_key,
-    shared_memory_copy,
-    shared_memory_enabled,
-)
+from netdist.transport.host_identity import host_key
 from netdist.types import ReduceOp, combine
 
 from .helpers import RING, assert_bitwise_equal
@@ -105,14 +99,14 @@ def test_netdist_shm_copy_variable(monkeypatch: pytest.MonkeyPatch, value: str,
 def test_read_into_copies_this_process_memory_exactly() -> None:
     source = np.arange(100_000, dtype=np.int64)
     out = np.empty(50_000, np.int64)
-    cma.read_into(os.getpid(), source.ctypes.data + 25_000 * 8, out)
+    attach.read_into(os.getpid(), source.ctypes.data + 25_000 * 8, out)
     assert np.array_equal(out, source[25_000:75_000])
 
 
 def test_write_from_copies_into_this_process_memory_exactly() -> None:
     target = np.zeros(100_000, dtype=np.int64)
     data = np.arange(50_000, dtype=np.int64)
-    cma.write_from(os.getpid(), target.ctypes.data + 25_000 * 8, data)
+    attach.write_from(os.getpid(), target.ctypes.data + 25_000 * 8, data)
     assert np.array_equal(target[25_000:75_000], data)
     assert not target[:25_000].any() and not target[75_000:].any()
 
@@ -131,8 +125,8 @@ def test_probe_names_memory_it_can_read_but_not_write() -> None:
     # the kernel refuses a cross-memory write into a read-only mapping (EFAULT)
     assert libc.mprotect(address, mmap.PAGESIZE, mmap.PROT_READ) == 0
     try:
-        target = cma.ProbeTarget(os.getpid(), address, token)
-        assert cma.probe_peer(target, "group rank 3") == (
+        target = attach.ProbeTarget(os.getpid(), address, token)
+        assert attach.probe_peer(target, "group rank 3") == (
             "cannot write group rank 3's memory: Bad address")
     finally:
         assert libc.mprotect(address, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE) == 0
@@ -147,21 +141,21 @@ def test_read_of_a_finished_process_is_esrch() -> None:
 
     child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                            capture_output=True, text=True, check=True, timeout=60)
-    with pytest.raises(cma.RemoteReadError) as caught:
-        cma.read_into(int(child.stdout), 4096, np.empty(8, np.uint8))
+    with pytest.raises(attach.RemoteReadError) as caught:
+        attach.read_into(int(child.stdout), 4096, np.empty(8, np.uint8))
     assert caught.value.errno == errno.ESRCH
 
 
 def test_probe_reads_the_token_back_and_names_what_is_wrong() -> None:
-    token = cma.ProbeToken()
+    token = attach.ProbeToken()
     target = token.target
-    assert cma.probe_peer(target, "group rank 1") is None
-    forged = cma.ProbeTarget(target.pid, target.address, bytes(16))
-    assert cma.probe_peer(forged, "group rank 1") == (
+    assert attach.probe_peer(target, "group rank 1") is None
+    forged = attach.ProbeTarget(target.pid, target.address, bytes(16))
+    assert attach.probe_peer(forged, "group rank 1") == (
         "group rank 1's memory does not hold the token it announced")
-    assert cma.probe_peer(cma.ProbeTarget.unpack([1, "x", b"t"]), "group rank 2") == (
+    assert attach.probe_peer(attach.ProbeTarget.unpack([1, "x", b"t"]), "group rank 2") == (
         "group rank 2 sent a malformed probe")
-    assert cma.ProbeTarget.unpack(target.pack()) == target
+    assert attach.ProbeTarget.unpack(target.pack()) == target
 
 
 # -- segments ----------------------------------------------------------------------------
@@ -304,10 +298,10 @@ async def test_one_rank_staging_puts_the_host_on_staged_copies_and_says_so_once(
 
 async def test_a_rank_that_cannot_read_its_peers_puts_the_host_on_staged_copies(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    def refuse(target: cma.ProbeTarget | None, peer: str) -> str | None:
+    def refuse(target: attach.ProbeTarget | None, peer: str) -> str | None:
         return f"cannot read {peer}'s memory: Operation not permitted"
 
-    monkeypatch.setattr(cma, "probe_peer", refuse)
+    monkeypatch.setattr(attach, "probe_peer", refuse)
     paths, said = await _sum_saying(caplog, logging.INFO, "stages its copies", 2,
                                     small_message_bytes=RING, shared_memory=True)
     assert paths == [(LocalMode.SINGLE_HOST, ShmCopy.STAGED)] * 2

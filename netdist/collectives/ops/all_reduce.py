@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from netdist.collectives.channel import Channel
-from netdist.collectives.local import host_all_reduce
+from netdist.collectives.host.arena import host_all_reduce
 from netdist.collectives.ops.arguments import WIRE_DTYPES, contiguous, in_place, reduce_op
 from netdist.collectives.ops.context import OpContext, arena_mode
 from netdist.collectives.ring import ring_all_reduce

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from netdist.collectives.hosts import LocalMode
-from netdist.collectives.lane import LanePath
-from netdist.collectives.local import HostArena, HostPath
+from netdist.collectives.host.layout import LocalMode
+from netdist.collectives.host.lane import LanePath
+from netdist.collectives.host.arena import HostArena, HostPath
 from netdist.collectives.tags import P2P_BIT, P2P_TAG_LIMIT
 from netdist.collectives.routes import Operation, Route, Turn, Tuning, plan
 from netdist.transport.base import Transport

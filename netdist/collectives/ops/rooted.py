@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from netdist.collectives.channel import Channel
-from netdist.collectives.local import host_broadcast
+from netdist.collectives.host.arena import host_broadcast
 from netdist.collectives.ops.arguments import check_array, contiguous, in_place, reduce_op, tensor_io
 from netdist.collectives.ops.context import OpContext, arena_mode
 from netdist.collectives.ring import chain_broadcast, ring_reduce_scatter

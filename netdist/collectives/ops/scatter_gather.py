@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 
 from netdist.collectives.channel import Channel, CollectiveMismatchError
-from netdist.collectives.local import HostArena
+from netdist.collectives.host.arena import HostArena
 from netdist.collectives.ops.arguments import check_array, contiguous, reduce_op, tensor_io
 from netdist.collectives.ops.context import OpContext, arena_mode
 from netdist.collectives.plan import offsets_from_sizes

@@ -12,32 +12,24 @@ authenticated TCP transport, so a rank attaches only what a peer named after the
 handshake; the attacher checks the cookie, the size and that the file is a netdist
 memfd before using it.
 
-``host_key()`` says which ranks can share segments: the same kernel boot, the same PID
-and mount namespaces (``/proc`` must show the creator) and the same user.
-``NETDIST_HOST_ID`` is appended when set, so tests and users can split the ranks of one
-machine into pretend hosts (the hierarchical algorithms are then exercised on one box).
+Which ranks can share segments is what their host keys say
+(``netdist.transport.host_identity.host_key``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
-import hashlib
 import mmap
 import os
 import secrets
 import stat
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from netdist.config import parse_switch
-from netdist.errors import ConfigError, SharedMemoryError
+from netdist.errors import SharedMemoryError
 
-__all__ = ["SegmentLocator", "SharedSegment", "ShmCopy", "host_key", "shared_memory_enabled",
-           "shared_memory_copy",
-           "HEADER_BYTES", "MEMFD_PREFIX"]
+__all__ = ["SegmentLocator", "SharedSegment", "HEADER_BYTES", "MEMFD_PREFIX"]
 
 HEADER_BYTES = 64
 """The cookie sits at the head of a segment; data starts this far in (cache-line aligned)."""
@@ -46,60 +38,6 @@ MEMFD_PREFIX = "netdist-shm"
 """Name given to the memfd (shown as ``/memfd:netdist-shm`` in ``/proc/<pid>/fd``)."""
 
 _COOKIE_BYTES = 16
-
-
-def host_key() -> bytes:
-    """Bytes equal for exactly the processes that can attach each other's segments."""
-    parts = [_read("/proc/sys/kernel/random/boot_id")]
-    for ns in ("pid", "mnt", "ipc"):
-        with contextlib.suppress(OSError):
-            parts.append(f"{ns}:{os.stat(f'/proc/self/ns/{ns}').st_ino}")
-    parts.append(f"uid:{os.getuid()}")
-    parts.append(f"host-id:{os.environ.get('NETDIST_HOST_ID', '')}")
-    return hashlib.sha256("\n".join(parts).encode()).digest()[:16]
-
-
-def shared_memory_enabled(setting: bool | None) -> bool:
-    """``setting`` if given, else the switch ``NETDIST_SHM`` (default on; see
-    ``netdist.config.parse_switch`` for the accepted words)."""
-    if setting is not None:
-        return bool(setting)
-    return parse_switch(os.environ, "NETDIST_SHM", True)
-
-
-class ShmCopy(enum.Enum):
-    """How a single-host all-reduce moves bytes between the ranks' arrays."""
-
-    SINGLE = "single"
-    """Each rank reads and writes its peers' arrays directly (``process_vm_readv`` /
-    ``process_vm_writev``): one copy per byte moved and nothing staged, where the kernel
-    lets the ranks reach each other (a probe at setup decides; otherwise ``STAGED``)."""
-    STAGED = "staged"
-    """Through the shared segment's slots: copied in by the owner, out by the reader."""
-
-
-def shared_memory_copy(setting: ShmCopy | str | None, *,
-                       environ: Mapping[str, str] | None = None) -> ShmCopy:
-    """``setting`` if given, else ``NETDIST_SHM_COPY`` in ``environ`` (default
-    ``os.environ``): ``single``, the default, or ``staged``; anything else is a
-    ``ConfigError`` (a ``ValueError``) naming the accepted values."""
-    env = os.environ if environ is None else environ
-    raw = env.get("NETDIST_SHM_COPY", "single") if setting is None else setting
-    if isinstance(raw, ShmCopy):
-        return raw
-    try:
-        return ShmCopy(str(raw).strip().lower())
-    except ValueError:
-        source = "NETDIST_SHM_COPY" if setting is None else "shm_copy"
-        raise ConfigError(f"{source} must be 'single' or 'staged', got {raw!r}") from None
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 @dataclass(frozen=True)

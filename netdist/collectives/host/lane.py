@@ -60,23 +60,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from netdist.collectives.channel import Channel, CollectiveMismatchError
-from netdist.collectives.hosts import LocalMode
-from netdist.collectives.local import agree_on_segment, create_or_attach, host_layout
-from netdist.collectives.turns import TurnQueue
+from netdist.collectives.host.arena import agree_on_segment, create_or_attach, host_layout
+from netdist.collectives.host.layout import LocalMode
+from netdist.collectives.host.segments import SharedSegment
+from netdist.collectives.host.turns import TurnQueue
+from netdist.collectives.routes import LANE_BYTES
 from netdist.errors import SharedMemoryError
 from netdist.transport.mailbox import byte_view
-from netdist.transport.shm import SharedSegment
 from netdist.types import ReduceOp, combine, dtype_to_wire
 
 __all__ = ["HostLane", "LaneRound", "LanePath", "LANE_BYTES", "SUB_LANE_WAKE", "lane_supported",
            "open_host_lane"]
 
-LANE_BYTES = 8 * 1024
-"""Largest all-reduce (bytes per rank) that goes through the lane: where one message's
-wake-up, not its bytes, decides the time."""
+# LANE_BYTES, the largest all-reduce the lane carries, is the planner's (``routes``)
 
 SUB_LANE_WAKE = 15
-"""Sub-tag of the lane's TCP wake-ups (``local.SUB_TAGS`` holds the segment's)."""
+"""Sub-tag of the lane's TCP wake-ups (``arena.SUB_TAGS`` holds the segment's)."""
 
 WOKEN_SPIN_SECONDS = 50e-6
 """How long a sleeper polls for a peer's ``woke`` record before yielding to the loop

@@ -24,15 +24,15 @@ folds into the parity-p result only after everyone signalled ``in`` for round ``
 which each rank does after copying round ``k``'s result out.
 
 Single copy (``ShmCopy.SINGLE``, the default where the kernel allows it): the slots are
-skipped and the ranks reach into each other's arrays themselves (``netdist.transport.cma``).
-Every rank sends its array's address (the ``in`` signal); rank ``j`` then owns chunk
-``j``: block by block it reads each peer's block into a cache-sized buffer, folds them
-straight into its own array, and writes the reduced block, still in cache, into every
-peer's array. It signals ``done`` and returns once everyone has. Chunk ``j`` of any
-array is read raw and written only by rank ``j`` (reads first, block by block), so no
-rank's fold sees a reduced block, and a rank's array is left alone once every ``done``
-is in. Per byte reduced that is one copy across processes instead of two, no staging
-writes, and one signal round after the addresses.
+skipped and the ranks reach into each other's arrays themselves (cross-memory attach,
+``attach.py``). Every rank sends its array's address (the ``in`` signal); rank ``j``
+then owns chunk ``j``: block by block it reads each peer's block into a cache-sized
+buffer, folds them straight into its own array, and writes the reduced block, still in
+cache, into every peer's array. It signals ``done`` and returns once everyone has. Chunk
+``j`` of any array is read raw and written only by rank ``j`` (reads first, block by
+block), so no rank's fold sees a reduced block, and a rank's array is left alone once
+every ``done`` is in. Per byte reduced that is one copy across processes instead of two,
+no staging writes, and one signal round after the addresses.
 
 Between collectives the same holds: each one ends only when no other rank still reads
 what this rank writes first in the next (the final ``red``/``done`` waits, and the
@@ -54,14 +54,16 @@ import msgpack
 import numpy as np
 
 from netdist.collectives.channel import Channel
-from netdist.collectives.hosts import HostLayout, LocalMode
+from netdist.collectives.host import attach
+from netdist.collectives.host.layout import HostLayout, LocalMode
+from netdist.collectives.host.segments import SegmentLocator, SharedSegment
+from netdist.collectives.host.settings import ShmCopy
+from netdist.collectives.host.turns import TurnQueue
 from netdist.collectives.ring import chain_broadcast, ring_all_reduce
 from netdist.collectives.small import bruck_all_gather_blobs
-from netdist.collectives.turns import TurnQueue
 from netdist.errors import LocalProtocolError, PeerLostError, SharedMemoryError
 from netdist.sharding import chunk_bounds
-from netdist.transport import cma
-from netdist.transport.shm import SegmentLocator, SharedSegment, ShmCopy, host_key
+from netdist.transport.host_identity import host_key
 from netdist.types import ReduceOp, combine, divide_into
 
 __all__ = ["HostArena", "HostPath", "open_host_arena", "host_all_reduce", "host_broadcast",
@@ -262,7 +264,7 @@ class HostArena:
                     divide_into(flat[start:stop], divisor)
                 offset = start * flat.itemsize
                 for peer in self._peers:
-                    self._remote(chan, peer, cma.write_from, addresses[peer] + offset,
+                    self._remote(chan, peer, attach.write_from, addresses[peer] + offset,
                                  flat[start:stop])
         await self._signal(chan, _SUB_GATHER_DONE)
         await self._wait(chan, _SUB_GATHER_DONE)  # every chunk is in; nobody reaches in
@@ -280,7 +282,7 @@ class HostArena:
             if index == me:
                 return target
             peer = order[index]
-            self._remote(chan, peer, cma.read_into, addresses[peer] + start * flat.itemsize,
+            self._remote(chan, peer, attach.read_into, addresses[peer] + start * flat.itemsize,
                          into)
             return into
 
@@ -311,13 +313,13 @@ class HostArena:
     def _remote(self, chan: Channel, peer: int,
                 move: Callable[[int, int, np.ndarray], None], address: int,
                 local: np.ndarray) -> None:
-        """``move`` (``cma.read_into`` or ``cma.write_from``) ``local``'s bytes from or to
-        group rank ``peer``'s memory at ``address``."""
+        """``move`` (``attach.read_into`` or ``attach.write_from``) ``local``'s bytes
+        from or to group rank ``peer``'s memory at ``address``."""
         if self._pids is None:
             raise SharedMemoryError("single-copy transfer on an arena that stages its copies")
         try:
             move(self._pids[peer], address, local)
-        except cma.RemoteReadError as exc:
+        except attach.RemoteReadError as exc:
             if exc.errno == errno.ESRCH:
                 raise PeerLostError(chan.ranks[peer], f"group rank {peer}'s process is "
                                     "gone (its memory cannot be reached)") from None
@@ -430,15 +432,15 @@ async def open_host_arena(chan: Channel, enabled: bool,
     min_slot = max(4096, min(slot_bytes, max_slot))
     segment, problem = await create_or_attach(
         chan, layout, enabled, HostArena.data_bytes(local_size, max_slot))
-    token = (cma.ProbeToken() if copy is ShmCopy.SINGLE and cma.available()
+    token = (attach.ProbeToken() if copy is ShmCopy.SINGLE and attach.available()
              and layout.mode is LocalMode.SINGLE_HOST else None)
     segment, targets = await agree_on_segment(
         chan, segment, problem, None if token is None else token.target.pack(),
         "collectives use TCP")
     if segment is None:
         return replace(layout, mode=LocalMode.TCP), None
-    pids = await _agree_single_copy(chan, layout, [cma.ProbeTarget.unpack(t) for t in targets],
-                                    token)
+    pids = await _agree_single_copy(chan, layout,
+                                    [attach.ProbeTarget.unpack(t) for t in targets], token)
     return layout, HostArena(segment, layout, min_slot, max_slot, pids)
 
 
@@ -501,8 +503,8 @@ def _outcome(entry: object) -> tuple[str | None, object]:
 
 
 async def _agree_single_copy(chan: Channel, layout: HostLayout,
-                             targets: Sequence[cma.ProbeTarget | None],
-                             token: cma.ProbeToken | None) -> dict[int, int] | None:
+                             targets: Sequence[attach.ProbeTarget | None],
+                             token: attach.ProbeToken | None) -> dict[int, int] | None:
     """Group rank -> pid of the host's ranks if every rank read every other's probe
     token back (single copy), else None (staged; said once, at INFO). ``token`` is this
     rank's own, kept alive until everyone has probed it."""
@@ -511,13 +513,13 @@ async def _agree_single_copy(chan: Channel, layout: HostLayout,
     problem: str | None = None
     if token is None:
         problem = ("single copy is off on this rank (NETDIST_SHM_COPY=staged or "
-                   "shm_copy='staged')" if cma.available() else
+                   "shm_copy='staged')" if attach.available() else
                    "cross-memory attach (process_vm_readv/writev) is not available "
                    "on this rank")
     else:
         for peer in layout.local_ranks:
             if peer != layout.rank and problem is None:
-                problem = cma.probe_peer(targets[peer], f"group rank {peer}")
+                problem = attach.probe_peer(targets[peer], f"group rank {peer}")
     verdicts = await bruck_all_gather_blobs(chan.derive(_SUB_SETUP), msgpack.packb(problem))
     del token  # every rank has probed it
     texts = [msgpack.unpackb(b) for b in verdicts]
