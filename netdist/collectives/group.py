@@ -29,6 +29,7 @@ tasks are cancelled and awaited before the error propagates.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
@@ -107,44 +108,33 @@ class Group:
                  shm_copy: ShmCopy | str | None = None) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"Group needs a Transport, got {type(transport).__name__}")
-        if not isinstance(small_message_bytes, int) or small_message_bytes < 0:
-            raise ValueError(f"small_message_bytes must be an int >= 0, got {small_message_bytes!r}")
-        if not isinstance(segment_bytes, int) or segment_bytes < 1:
-            raise ValueError(f"segment_bytes must be an int >= 1, got {segment_bytes!r}")
-        if not isinstance(pipeline_depth, int) or pipeline_depth < 1:
-            raise ValueError(f"pipeline_depth must be an int >= 1, got {pipeline_depth!r}")
         if not isinstance(shm_slot_bytes, int) or shm_slot_bytes < 4096:
             raise ValueError(f"shm_slot_bytes must be an int >= 4096, got {shm_slot_bytes!r}")
         timeout = timeout_value(timeout, "timeout")
         self._setup(transport, tuple(range(transport.world_size)),
                     make_group_id("root", next_root_group(transport)),
                     float(transport.timeout) if timeout is None else timeout,
-                    small_message_bytes, segment_bytes, pipeline_depth,
+                    Tuning(small_message_bytes, segment_bytes, pipeline_depth),
                     shared_memory_enabled(shared_memory), -(-shm_slot_bytes // 64) * 64,
                     shared_memory_copy(shm_copy))
 
     def _setup(self, transport: Transport, ranks: tuple[int, ...], gid: int, timeout: float,
-               small_message_bytes: int, segment_bytes: int, pipeline_depth: int,
-               shared_memory: bool, shm_slot_bytes: int, shm_copy: ShmCopy) -> None:
-        self._transport = transport
-        self._ranks = ranks
+               tuning: Tuning, shared_memory: bool, shm_slot_bytes: int,
+               shm_copy: ShmCopy) -> None:
+        self._transport, self._ranks, self._gid, self._timeout = transport, ranks, gid, timeout
         self._rank = ranks.index(transport.rank) if transport.rank in ranks else -1
-        self._gid = gid
         self._tag_base = group_tag_base(gid)
-        self._timeout = timeout
-        self._tuning = Tuning(small_message_bytes, segment_bytes, pipeline_depth)
+        self._tuning = tuning
         self.shared_memory = shared_memory
         """Whether this rank offers shared memory to ranks on its host (all must)."""
         self.shm_copy = shm_copy
         """How this rank offers to move an all-reduce on one host (all must agree)."""
-        self._host_path = HostPath(shared_memory, shm_slot_bytes, shm_copy)
-        self._lane = LanePath(shared_memory)
-        self._ops = OpContext(transport, ranks, self._rank, self._tuning, self._host_path,
-                              self._lane, timeout, self._tag_base)
-        self._seq = 0
+        self._ops = OpContext(transport, ranks, self._rank, tuning,
+                              HostPath(shared_memory, shm_slot_bytes, shm_copy),
+                              LanePath(shared_memory), timeout, self._tag_base)
+        self._seq = self._children = 0
         self._plans: dict[tuple[Any, ...], Any] = {}
         self._scratch = ScratchPool()
-        self._children = 0
         self._calls = Calls(transport, ranks, self._describe())
         self._subgroups: list[Group] = []
         self._closed = False
@@ -244,9 +234,8 @@ class Group:
             gid = make_group_id("named", self._gid, str(name), tuple(members))
         child = Group.__new__(Group)
         child._setup(self._transport, tuple(self._ranks[r] for r in members), gid,
-                     self._timeout,
-                     self.small_message_bytes, self.segment_bytes, self.pipeline_depth,
-                     self.shared_memory, self._host_path.slot_bytes, self.shm_copy)
+                     self._timeout, dataclasses.replace(self._tuning), self.shared_memory,
+                     self._ops.host.slot_bytes, self.shm_copy)
         self._subgroups.append(child)
         return child
 
@@ -262,8 +251,8 @@ class Group:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._scratch.clear()
-        self._host_path.close()
-        self._lane.close()
+        self._ops.host.close()
+        self._ops.lane.close()
 
     def close(self) -> None:
         """Cancel outstanding work without waiting (prefer ``aclose``)."""
@@ -321,22 +310,22 @@ class Group:
     def has_lane(self) -> bool | None:
         """Whether small all-reduces pass through shared memory (every rank on this
         host, shared memory on, x86-64); ``None`` until the first one has run."""
-        return self._lane.lane is not None if self._lane.decided else None
+        return self._ops.lane.lane is not None if self._ops.lane.decided else None
 
     @property
     def local_mode(self) -> LocalMode | None:
         """How large collectives move data (``None`` until the first one has run)."""
-        layout = self._host_path.layout
+        layout = self._ops.host.layout
         if layout is None:
             return None
-        return LocalMode.TCP if self._host_path.arena is None else layout.mode
+        return LocalMode.TCP if self._ops.host.arena is None else layout.mode
 
     @property
     def local_copy(self) -> ShmCopy | None:
         """How a large all-reduce on one host moves bytes: ``SINGLE`` (ranks read each
         other's arrays) or ``STAGED`` (through the segment); ``None`` until the first
         large collective, or when it does not use shared memory."""
-        arena = self._host_path.arena
+        arena = self._ops.host.arena
         return None if arena is None else arena.copy
 
     # -- collectives (arguments checked and routes chosen in ``ops``) --------------------

@@ -127,11 +127,22 @@ class Turn(enum.Enum):
 
 @dataclass
 class Tuning:
-    """A group's algorithm thresholds; every rank of a group must use the same values."""
+    """A group's algorithm thresholds; every rank of a group must use the same values.
+    ``ValueError`` names a value out of range."""
 
     small_message_bytes: int = DEFAULT_SMALL_MESSAGE_BYTES
+    """Messages up to this size use the latency-optimal algorithms."""
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    """Largest pipeline segment of the ring and chain algorithms."""
     pipeline_depth: int = DEFAULT_PIPELINE_DEPTH
+    """Scratch segments the in-place ring reduce-scatter rotates through."""
+
+    def __post_init__(self) -> None:
+        for name, least in (("small_message_bytes", 0), ("segment_bytes", 1),
+                            ("pipeline_depth", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from netdist.errors import BlockingCallError, NetdistTimeoutError, TransportClosedError
@@ -268,23 +269,32 @@ class ProgressThread:
             raise
         return self._run(loop, coro, timeout, "the operation")
 
-    def try_call(self, fn: Callable[[], T]) -> tuple[bool, T | None]:
-        """Call the synchronous ``fn`` on this thread as the loop's driver, if the loop is
-        free: ``(True, fn())``; ``(False, None)`` when another thread runs the loop, or
-        when called from code the loop is running.
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[bool]:
+        """Hold the loop on this thread for the block, if it is free: yields ``True``
+        while held; ``False`` when another thread runs the loop, or when entered from
+        code the loop is running (then the block must not touch the loop's state).
 
         For operations that usually finish without waiting (a small all-reduce through
-        shared memory, ``Group.all_reduce_eager``): holding the loop, ``fn`` may use the
-        state its coroutines own, and skips the loop iterations a ``run()`` costs. ``fn``
-        must not block: anything that has to wait is a coroutine for ``run()``.
+        shared memory, ``Group.all_reduce_eager``): holding the loop, the caller may use
+        the state the loop's coroutines own, and skips the loop iterations a ``run()``
+        costs. The block must not block: anything that has to wait is a coroutine for
+        ``run()`` after the block.
         """
         if self.on_thread() or not self._try_drive():
-            return False, None
+            yield False
+            return
         try:
             self.loop  # noqa: B018 - raises if the thread was closed
-            return True, fn()
+            yield True
         finally:
             self._end_drive()
+
+    def try_call(self, fn: Callable[[], T]) -> tuple[bool, T | None]:
+        """Call the synchronous ``fn`` while ``holding`` the loop: ``(True, fn())``, or
+        ``(False, None)`` when the loop is not free (see ``holding``)."""
+        with self.holding() as held:
+            return (True, fn()) if held else (False, None)
 
     def _run(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T],
              timeout: float | None, what: str) -> T:

@@ -40,7 +40,6 @@ from torch.distributed import distributed_c10d as c10d
 from netdist.collectives.group import Group
 from netdist.errors import CollectiveMismatchError
 from netdist.progress.job import Job
-from netdist.progress.proxy import run_eager
 from netdist.torch.errors import to_torch_error
 from netdist.torch.tensors import Staged, ViewCache, as_array, as_bytes, check_cpu, stage
 from netdist.torch.work import ENDED, NetdistWork
@@ -194,10 +193,11 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             return value.total_seconds()
         return self._seconds
 
-    def _start(self, op: str, body: Callable[[], Coroutine[Any, Any, Any]],
+    def _start(self, op: str, body: Coroutine[Any, Any, Any],
                outputs: list[torch.Tensor], staged: Sequence[Staged] = (),
                source: Callable[[], int] | None = None, asyncop: bool = True) -> NetdistWork:
-        """Run ``body`` on the progress thread; copy staged tensors back when it is done.
+        """Run the coroutine ``body`` (a ``Group`` call, or an adapter around one) on the
+        progress thread; copy staged tensors back when it is done.
 
         ``asyncop`` is the torch options' ``asyncOp`` (False for a blocking call).
         """
@@ -205,22 +205,26 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         copies = [item for item in staged if item.work is not item.tensor]
 
         async def run() -> None:
-            await body()
+            await body
             for item in copies:
                 item.finish()
 
+        coro = run() if copies else body
         if not asyncop and not self._pending:
             # a blocking call with nothing of this group in flight: run it right here
             # (driving the loop when it is free), skipping the thread-safe hand-off; with
             # earlier calls still queued it must queue behind them to keep tag order
             try:
-                self._progress.run(run() if copies else body())
+                self._progress.run(coro)
             except BaseException as exc:  # noqa: BLE001 - a torch error, now
                 raise to_torch_error(exc) from exc
             return NetdistWork(ENDED, self._progress, op, outputs, source)
         try:
-            future = self._progress.submit(run() if copies else body())
+            future = self._progress.submit(coro)
         except BaseException as exc:  # noqa: BLE001 - a closed job: a torch error
+            coro.close()  # never started: no "never awaited" warning
+            if coro is not body:
+                body.close()
             raise to_torch_error(exc) from exc
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
@@ -251,16 +255,17 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             # a small blocking all-reduce may finish on this thread through shared memory
             # without an event-loop iteration (Group.all_reduce_eager)
             try:
-                if run_eager(self._progress, lambda: group.all_reduce_eager(
-                        array, op, timeout=timeout)) is not None:
+                with self._progress.holding() as held:
+                    started = group.all_reduce_eager(array, op, timeout=timeout) if held else None
+                if started is not None:
+                    if started.rest is not None:  # begun here, finished on the loop
+                        self._progress.run(started.rest)
                     return NetdistWork(ENDED, self._progress, "allreduce", [tensor])
             except BaseException as exc:  # noqa: BLE001 - a torch error, now
                 raise to_torch_error(exc) from exc
 
-        async def body() -> None:
-            await group.all_reduce(array, op, timeout=timeout)
-
-        return self._start("allreduce", body, [tensor], staged, asyncop=opts.asyncOp)
+        return self._start("allreduce", group.all_reduce(array, op, timeout=timeout), [tensor],
+                           staged, asyncop=opts.asyncOp)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor],
                             opts: Any = None) -> NetdistWork:
@@ -287,7 +292,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
                         t.copy_(flat[offset:offset + t.numel()].view_as(t))
                         offset += t.numel()
 
-        return self._start("allreduce_coalesced", body, list(tensors))
+        return self._start("allreduce_coalesced", body(), list(tensors))
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> NetdistWork:
         opts = opts if opts is not None else c10d.ReduceOptions()
@@ -297,10 +302,8 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         array = as_array(staged.work, "reduce")
         root, group, timeout = opts.rootRank, self._group, self._timeout(opts)
 
-        async def body() -> None:
-            await group.reduce(array, root, op, timeout=timeout)
-
-        return self._start("reduce", body, [tensor], [staged] if self.rank() == root else ())
+        return self._start("reduce", group.reduce(array, root, op, timeout=timeout), [tensor],
+                           [staged] if self.rank() == root else ())
 
     def reduce_scatter(self, outputs: list[torch.Tensor],
                        input_lists: list[list[torch.Tensor]],
@@ -333,7 +336,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
                 lo = sum(sizes[:me])
                 target.reshape(-1)[...] = array[lo:lo + sizes[me]]
 
-        return self._start("reduce_scatter", body, [out], [staged])
+        return self._start("reduce_scatter", body(), [out], [staged])
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts: Any = None) -> NetdistWork:
@@ -376,7 +379,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             for work in works:
                 await work
 
-        return self._start(what, body, list(outputs), staged, asyncop=opts.asyncOp)
+        return self._start(what, body(), list(outputs), staged, asyncop=opts.asyncOp)
 
     # -- data movement ---------------------------------------------------------------
 
@@ -387,10 +390,8 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         data = as_bytes(staged.work)
         root, group, timeout = opts.rootRank, self._group, self._timeout(opts)
 
-        async def body() -> None:
-            await group.broadcast(data, root, timeout=timeout)
-
-        return self._start("broadcast", body, [tensor], [staged], asyncop=opts.asyncOp)
+        return self._start("broadcast", group.broadcast(data, root, timeout=timeout), [tensor],
+                           [staged], asyncop=opts.asyncOp)
 
     def allgather(self, output_lists: list[list[torch.Tensor]],
                   inputs: list[torch.Tensor], opts: Any = None) -> NetdistWork:
@@ -446,7 +447,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
                                 else t.copy_(piece.view(t.dtype).view(t.shape))
                         offset += size
 
-        return self._start(what, body, [t for outs in output_lists for t in outs])
+        return self._start(what, body(), [t for outs in output_lists for t in outs])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> NetdistWork:
@@ -486,7 +487,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             for work in works:
                 await work
 
-        return self._start(what, body, list(outputs), staged, asyncop=opts.asyncOp)
+        return self._start(what, body(), list(outputs), staged, asyncop=opts.asyncOp)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                opts: Any = None) -> NetdistWork:
@@ -508,7 +509,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             if arrays is not None:
                 _copy_into(outs, arrays, "gather")
 
-        return self._start("gather", body, outs)
+        return self._start("gather", body(), outs)
 
     def gather_single(self, output: torch.Tensor, input: torch.Tensor,
                       opts: Any = None) -> NetdistWork:
@@ -542,7 +543,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             received = await group.scatter(payloads, root, timeout=timeout)
             _copy_into([out], [received], "scatter")
 
-        return self._start("scatter", body, [out])
+        return self._start("scatter", body(), [out])
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                  opts: Any = None) -> NetdistWork:
@@ -576,10 +577,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
                     opts: Any) -> NetdistWork:
         group, timeout = self._group, self._timeout(opts)
 
-        async def body() -> None:
-            await group.all_to_all(sends, recvs, timeout=timeout)
-
-        return self._start(what, body, outputs, staged)
+        return self._start(what, group.all_to_all(sends, recvs, timeout=timeout), outputs, staged)
 
     # -- point to point --------------------------------------------------------------
 
@@ -589,10 +587,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         data = as_bytes(tensor.contiguous())
         group, user_tag = self._group, tag % USER_TAG_LIMIT
 
-        async def body() -> None:
-            await group.send(data, dst, user_tag)
-
-        return self._start("send", body, [tensor])
+        return self._start("send", group.send(data, dst, user_tag), [tensor])
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> NetdistWork:
         tensor = _one(tensors, "recv")
@@ -604,7 +599,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             received = await group.recv(src, user_tag, out=out)
             _check_size(received, out, src, "recv")
 
-        return self._start("recv", body, [tensor], [staged], source=lambda: src)
+        return self._start("recv", body(), [tensor], [staged], source=lambda: src)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> NetdistWork:
         tensor = _one(tensors, "recv")
@@ -617,7 +612,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             src, _ = await group.recv_any(None, user_tag, out=out, timeout=seconds)
             found.append(src)
 
-        return self._start("recv", body, [tensor], [staged], source=lambda: found[0])
+        return self._start("recv", body(), [tensor], [staged], source=lambda: found[0])
 
     # -- synchronisation -------------------------------------------------------------
 
@@ -633,7 +628,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
                                      return_exceptions=True)
             await work
 
-        return self._start("barrier", body, [])
+        return self._start("barrier", body(), [])
 
     def monitored_barrier(self, timeout: timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:
@@ -641,10 +636,9 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         seconds = timeout.total_seconds() if timeout is not None else self._seconds
         group = self._group
 
-        async def body() -> None:
-            await group.monitored_barrier(timeout=seconds, wait_all_ranks=wait_all_ranks)
-
-        self._start("monitored_barrier", body, []).wait()
+        self._start("monitored_barrier",
+                    group.monitored_barrier(timeout=seconds, wait_all_ranks=wait_all_ranks),
+                    []).wait()
 
     # -- lifecycle -------------------------------------------------------------------
 
