@@ -2,7 +2,8 @@
 
 Every failure netdist reports is one of these; OS and asyncio exceptions
 (``ConnectionResetError``, ``asyncio.IncompleteReadError``, ...) are translated at
-the transport boundary and never escape to callers.
+the transport boundary, in one place (``netdist.transport.os_errors``), and never
+escape to callers.
 
 ::
 

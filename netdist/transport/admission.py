@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import errno
 import logging
 import os
 import time
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from netdist.config import AdmissionLimits
+from netdist.transport.os_errors import OsErrorKind, kind_of
 
 try:
     import resource
@@ -320,9 +320,9 @@ class AdmissionControl:
             try:
                 count = self._fd_counter()
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                if kind_of(exc) is OsErrorKind.OUT_OF_DESCRIPTORS:
                     return True  # could not even open the listing: nothing to spare
-                return False
+                return False  # an unreadable listing for another reason refuses no one
             if count is None:
                 return False
             self._fd_count, self._fd_counted_at, self._admitted_since_count = count, now, 0

@@ -15,7 +15,8 @@ payload goes out in chunks so little of it is ever copied.
 Every failure (EOF, reset, protocol violation, missed heartbeats, an interrupted frame)
 goes through ``fail()`` exactly once: it records a factory for the error every later
 operation raises, fails the frame that was landing, the peer's mailbox and every waiting
-sender, and closes the socket. Nothing here raises an OS or asyncio exception to callers.
+sender, and closes the socket. Nothing here raises an OS or asyncio exception to callers:
+``netdist.transport.os_errors`` names each one (``lost_reason``, ``transport_error``).
 A peer's last frame may be an ERROR naming the rank that went away first (it aborted
 because it lost that one, see ``netdist.transport.blame``); the ``PeerLostError`` then
 carries that rank as ``origin_rank`` and its message leads with it.
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
 import ipaddress
 import logging
 import socket
@@ -49,6 +49,13 @@ from netdist.transport.link_stats import (
     unsent_bytes,
 )
 from netdist.transport.mailbox import Landing, PeerMailbox
+from netdist.transport.os_errors import (
+    OsErrorKind,
+    Stage,
+    kind_of,
+    lost_reason,
+    transport_error,
+)
 from netdist.wire import (
     NEED_DATA,
     ControlFrame,
@@ -140,7 +147,7 @@ def tune_socket(sock: socket.socket) -> None:
     ):
         try:
             sock.setsockopt(level, option, value)
-        except OSError:  # pragma: no cover - platform specific
+        except OSError:  # pragma: no cover - platform specific; a tuning, not a requirement
             pass
     cap_retransmit_backoff(sock)
 
@@ -356,11 +363,8 @@ class FrameConnection(asyncio.BufferedProtocol):
         if self._failure is None:
             if self.peer_said_bye:
                 reason = f"{self.label} closed its transport (left the job)"
-            elif exc is None:
-                reason = f"{self.label} closed the connection (EOF){self._progress()}"
-            else:
-                reason = (f"connection to {self.label} was lost "
-                          f"({type(exc).__name__}: {exc}){self._progress()}")
+            else:  # EOF (exc is None) or the OS error that ended the connection
+                reason = lost_reason(exc, self.label, self._progress())
             self.fail(reason)
         if not self._closed.done():
             self._closed.set_result(None)
@@ -611,9 +615,13 @@ class FrameConnection(asyncio.BufferedProtocol):
         except asyncio.CancelledError:
             self._interrupted(tag, written, payload_nbytes, "was cancelled")
             raise
-        except (ConnectionError, OSError, RuntimeError) as exc:
-            # a write on a transport that just died: report the connection's failure
+        except (OSError, RuntimeError) as exc:
+            # a write on a transport that just died (RuntimeError: written after its
+            # write_eof): fail the connection with what the OS said, unless the frame was
+            # cut short (that says more) or it failed already, and report its failure
             self._interrupted(tag, written, payload_nbytes, f"failed ({exc!r})")
+            if self._failure is None:
+                self.fail(lost_reason(exc, peer))
             raise self.error() from None
         finally:
             self._release_send()
@@ -845,7 +853,7 @@ async def is_loopback_host(host: str) -> bool:
     loop = asyncio.get_running_loop()
     try:
         infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
+    except OSError:  # a name that does not resolve is not loopback; binding reports it
         return False
     addresses = {info[4][0] for info in infos}
     return bool(addresses) and all(
@@ -877,7 +885,7 @@ async def start_listener(host: str, port: int, factory: Callable[[], asyncio.Bas
         infos = await loop.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM,
                                        flags=socket.AI_PASSIVE)
     except OSError as exc:
-        raise ConnectError(f"{what}: cannot resolve listen address {host!r}: {exc}") from None
+        raise transport_error(exc, what, f"listen address {host!r}", Stage.RESOLVE) from exc
     last: OSError | None = None
     for family, type_, proto, _, address in infos:
         sock = socket.socket(family, type_, proto)
@@ -890,13 +898,13 @@ async def start_listener(host: str, port: int, factory: Callable[[], asyncio.Bas
             sock.listen(128)
             sock.setblocking(False)
             server = await loop.create_server(factory, sock=sock)
-        except OSError as exc:
+        except OSError as exc:  # try the next address; the last error is reported
             sock.close()
             last = exc
             continue
         bound = sock.getsockname()
         return server, (str(bound[0]), int(bound[1]))
-    raise ConnectError(f"{what}: cannot listen on {host}:{port}: {last}") from last
+    raise transport_error(last, what, f"{host}:{port}", Stage.LISTEN) from last
 
 
 def stop_accepting(server: asyncio.Server) -> None:
@@ -937,9 +945,8 @@ async def listen(host: str, port: int, factory: Callable[[], asyncio.BaseProtoco
     try:
         return await start_listener(host, port, factory, what=what)
     except ConnectError as exc:
-        cause = exc.__cause__
-        if not (fallback_to_all and isinstance(cause, OSError)
-                and cause.errno == errno.EADDRNOTAVAIL):
+        if not (fallback_to_all
+                and kind_of(exc.__cause__) is OsErrorKind.ADDRESS_NOT_LOCAL):
             raise
     await check_listen_security("", token, insecure, f"{what} (all interfaces)")
     logger.info("netdist: %s is not a local address; %s listens on all interfaces",
@@ -978,7 +985,7 @@ async def open_connection(host: str, port: int, factory: Callable[[], FrameConne
             break
         except OSError as exc:
             last = exc
-            if isinstance(exc, ConnectionRefusedError):
+            if kind_of(exc) is OsErrorKind.REFUSED:
                 now = loop.time()
                 refused_since = now if refused_since is None else refused_since
                 if refused_grace is not None and now - refused_since >= refused_grace:
@@ -992,9 +999,9 @@ async def open_connection(host: str, port: int, factory: Callable[[], FrameConne
             break
         await asyncio.sleep(pause)  # back off before retrying; not synchronisation
         delay = min(delay * 2, 0.5)
-    reason = "" if last is None else f": {type(last).__name__}: {last}"
-    raise ConnectError(f"{what}: cannot connect to {host}:{port} "
-                       f"({attempts} attempt{'s' if attempts != 1 else ''}){reason}") from last
+    raise transport_error(last, what, f"{host}:{port}", Stage.CONNECT,
+                          detail=f" ({attempts} attempt{'s' if attempts != 1 else ''})"
+                          ) from last
 
 
 RETRY_FIRST_PAUSE = 0.02

@@ -141,7 +141,7 @@ def unsent_bytes(sock_or_transport: Any) -> int | None:
         if fd < 0:
             return None
         buf = fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0")  # SIOCOUTQ == TIOCOUTQ
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # closed meanwhile: unknown, as documented
         return None
     return int(struct.unpack("<i", buf)[0])
 
@@ -159,11 +159,11 @@ def cap_retransmit_backoff(sock: socket.socket, seconds: float = RETRANSMIT_BACK
         return False
     try:
         sock.setsockopt(socket.IPPROTO_TCP, _TCP_THIN_LINEAR_TIMEOUTS, 1)
-    except OSError:
+    except OSError:  # a tuning the kernel may not offer; the cap below still helps
         pass
     try:
         sock.setsockopt(socket.IPPROTO_TCP, _TCP_RTO_MAX_MS, max(1000, int(seconds * 1000)))
-    except OSError:
+    except OSError:  # kernel before 6.15: no cap, as documented
         return False
     try:
         # The kernel gives up on a connection after a number of retries it turns into a
@@ -173,7 +173,7 @@ def cap_retransmit_backoff(sock: socket.socket, seconds: float = RETRANSMIT_BACK
         # rendezvous table), long before the liveness rules decide. A time budget keeps
         # retrying for KERNEL_GIVE_UP seconds instead; liveness names a dead peer sooner.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, KERNEL_GIVE_UP_MS)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError):  # no TCP_USER_TIMEOUT: the kernel's retries rule
         pass
     return True
 

@@ -34,6 +34,7 @@ from collections import deque
 
 from netdist.errors import AuthenticationError, ConnectError, NetdistTimeoutError
 from netdist.transport.connection import ErrorFactory
+from netdist.transport.os_errors import OsErrorKind, kind_of
 
 __all__ = ["PeerLinks", "REFUSED_GRACE", "tie_refusal", "is_tie_refusal", "unreachable_reason"]
 
@@ -65,7 +66,8 @@ def unreachable_reason(peer: int, where: str, error: BaseException) -> str:
     A rank's listener is bound before its address is published, so a refused connection
     means the rank exited, crashed or closed its transport.
     """
-    if isinstance(error, ConnectError) and isinstance(error.__cause__, ConnectionRefusedError):
+    if (isinstance(error, ConnectError) and error.__cause__ is not None
+            and kind_of(error.__cause__) is OsErrorKind.REFUSED):
         return (f"rank {peer} refused the connection at {where}: nothing listens there any "
                 "more (it exited, crashed or closed its transport)")
     if isinstance(error, NetdistTimeoutError):

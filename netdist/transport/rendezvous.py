@@ -59,6 +59,7 @@ from netdist.transport.connection import (
     run_handshake,
     stop_accepting,
 )
+from netdist.transport.os_errors import Stage, map_os_errors
 from netdist.wire import (
     ClientHandshake,
     ControlFrame,
@@ -219,23 +220,25 @@ class Coordinator:
         where = conn.peername()
         handshake = ServerHandshake(self._identity, peer_label=where)
         try:
-            step = await run_handshake(
-                conn, handshake, deadline=self.admission.handshake_deadline(
-                    self._loop.time(), self.config.join_timeout),
-                what=f"coordinator handshake with {where}")
-            rank = step.peer_rank
-            conn.label = f"rank {rank} at {where}"
-            frame = await conn.next_control(self._deadline + _TABLE_GRACE,
-                                            f"registration from rank {rank}")
-            self._register(conn, rank, frame)
-            # keep reading until the table goes out, so a rank that dies meanwhile is
-            # noticed (and may be replaced by a restarted process)
-            while not conn.failed and not self.finished:
+            # an OS error here is a lost connection like any other (os_errors names it)
+            with map_os_errors(f"coordinator serving {where}", where, Stage.STREAM):
+                step = await run_handshake(
+                    conn, handshake, deadline=self.admission.handshake_deadline(
+                        self._loop.time(), self.config.join_timeout),
+                    what=f"coordinator handshake with {where}")
+                rank = step.peer_rank
+                conn.label = f"rank {rank} at {where}"
                 frame = await conn.next_control(self._deadline + _TABLE_GRACE,
-                                                f"rank {rank} after registering")
-                self._refuse(conn, "bad_request",
-                             f"unexpected {frame.kind.name} frame after registration")
-        except (NetdistError, OSError) as exc:
+                                                f"registration from rank {rank}")
+                self._register(conn, rank, frame)
+                # keep reading until the table goes out, so a rank that dies meanwhile is
+                # noticed (and may be replaced by a restarted process)
+                while not conn.failed and not self.finished:
+                    frame = await conn.next_control(self._deadline + _TABLE_GRACE,
+                                                    f"rank {rank} after registering")
+                    self._refuse(conn, "bad_request",
+                                 f"unexpected {frame.kind.name} frame after registration")
+        except NetdistError as exc:
             if isinstance(exc, AuthenticationError) and not conn.authenticated:
                 self._record_refusal(where, exc, handshake.claimed_rank)
             if not conn.authenticated:  # a stranger: rate-limited, a flood is no log flood

@@ -100,6 +100,7 @@ from netdist.transport.links import (
 )
 from netdist.transport.host_identity import host_key
 from netdist.transport.mailbox import PeerMailbox
+from netdist.transport.os_errors import Stage, map_os_errors
 from netdist.transport.spin import SpinPolicy, default_spin_seconds, ranks_sharing_host
 from netdist.transport.rendezvous import (
     Coordinator,
@@ -351,12 +352,14 @@ class TcpTransport(Transport):
 
         handshake = ServerHandshake(self._identity, peer_label=where, accept_rank=accept)
         try:
-            step = await run_handshake(
-                conn, handshake, deadline=self.admission.handshake_deadline(
-                    self._loop.time(), self.config.join_timeout),
-                what=f"handshake with {where}")
-            self._adopt(step.peer_rank, conn)
-        except (NetdistError, OSError) as exc:
+            # an OS error here is a lost connection like any other (os_errors names it)
+            with map_os_errors(f"handshake with {where}", where, Stage.STREAM):
+                step = await run_handshake(
+                    conn, handshake, deadline=self.admission.handshake_deadline(
+                        self._loop.time(), self.config.join_timeout),
+                    what=f"handshake with {where}")
+                self._adopt(step.peer_rank, conn)
+        except NetdistError as exc:
             if vetoed and not self._eager:
                 # a rank of this job that proved the token, refused because the pair is
                 # already connected or connecting the other way: an expected race
