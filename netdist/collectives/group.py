@@ -40,7 +40,7 @@ from netdist.collectives.channel import Channel, CollectiveMismatchError, Scratc
 from netdist.collectives.host.layout import LocalMode
 from netdist.collectives.host.lane import LanePath
 from netdist.collectives.host.arena import DEFAULT_SLOT_BYTES, HostPath
-from netdist.collectives.monitored import root_monitored_limit
+from netdist.collectives.algorithms.barrier import root_monitored_limit
 from netdist.collectives.ops import all_reduce as _all_reduce
 from netdist.collectives.ops import exchange, p2p, rooted, scatter_gather
 from netdist.collectives.ops.arguments import subgroup_ranks, timeout_value
@@ -556,7 +556,7 @@ class Group:
         """A barrier through group rank 0 that names the ranks that did not arrive within
         ``timeout`` (rank 0 raises ``NetdistTimeoutError`` naming the first, or every one
         with ``wait_all_ranks``; the others then fail too): Gloo's ``monitoredBarrier``,
-        ``netdist.collectives.monitored``. As there, ``timeout=0`` gives rank 0 no time."""
+        ``netdist.collectives.algorithms.barrier``. As there, ``timeout=0`` gives rank 0 no time."""
         self._check_member("monitored_barrier")
         seconds = 0.0 if timeout == 0 else timeout_value(timeout, "timeout") or self._timeout
         body = exchange.prepare_monitored_barrier(self._ops, seconds, wait_all_ranks)

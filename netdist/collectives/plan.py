@@ -22,7 +22,6 @@ Schedules:
   with the standard fold for world sizes that are not powers of two.
 - ``binomial_tree``: parent and children for tree broadcast / reduce.
 - ``bruck_allgather_plan``: all-gather in ``ceil(log2 n)`` rounds for any ``n``.
-- ``dissemination_partners``: the barrier's rounds.
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ __all__ = [
     "binomial_tree",
     "BruckRound",
     "bruck_allgather_plan",
-    "dissemination_partners",
     "offsets_from_sizes",
 ]
 
@@ -364,16 +362,5 @@ def bruck_allgather_plan(rank: int, world_size: int) -> tuple[BruckRound, ...]:
             (rank - dist) % n, (rank + dist) % n,
             tuple((rank + j) % n for j in range(count)),
             tuple((rank + dist + j) % n for j in range(count))))
-        dist *= 2
-    return tuple(rounds)
-
-
-def dissemination_partners(rank: int, world_size: int) -> tuple[tuple[int, int], ...]:
-    """``(send_to, recv_from)`` for each of the ``ceil(log2 n)`` barrier rounds."""
-    _check_world(rank, world_size)
-    rounds = []
-    dist = 1
-    while dist < world_size:
-        rounds.append(((rank + dist) % world_size, (rank - dist) % world_size))
         dist *= 2
     return tuple(rounds)

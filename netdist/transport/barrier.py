@@ -9,7 +9,8 @@ per (peer, tag) keeps consecutive barriers apart without sequence numbers.
 ``dissemination_rounds`` is the one implementation. ``Transport.barrier`` runs it on
 transport ranks, on ``BARRIER_TAG``, under its own deadline (``dissemination_barrier``);
 ``Group.barrier`` runs it on group ranks through the operation's channel, on the
-operation's tag and bounded by the group (``netdist.collectives.small``).
+operation's tag and bounded by the group (``netdist.collectives.algorithms.barrier``);
+both take their rounds from ``barrier_partners``.
 """
 
 from __future__ import annotations
@@ -33,14 +34,15 @@ waits for the one from ``peer``. ``timeout`` is what is left of the barrier's de
 or None where the caller bounds the barrier itself."""
 
 
-def barrier_partners(rank: int, world_size: int) -> list[tuple[int, int]]:
-    """``(send_to, recv_from)`` for each round of a dissemination barrier."""
+def barrier_partners(rank: int, world_size: int) -> tuple[tuple[int, int], ...]:
+    """``(send_to, recv_from)`` for each of the ``ceil(log2 n)`` rounds of a dissemination
+    barrier: the one schedule of the transport's barrier and the groups' (PURE)."""
     rounds = []
     distance = 1
     while distance < world_size:
         rounds.append(((rank + distance) % world_size, (rank - distance) % world_size))
         distance *= 2
-    return rounds
+    return tuple(rounds)
 
 
 async def dissemination_rounds(rank: int, partners: Sequence[tuple[int, int]], send: Step,

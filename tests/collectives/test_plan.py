@@ -9,11 +9,11 @@ from collections import deque
 import numpy as np
 import pytest
 
+from netdist.transport.barrier import barrier_partners
 from netdist.collectives.plan import (
     binomial_tree,
     bruck_allgather_plan,
     chain_broadcast_plan,
-    dissemination_partners,
     offsets_from_sizes,
     recursive_doubling_plan,
     ring_all_gather_plan,
@@ -312,7 +312,7 @@ def test_bruck_allgather_delivers_every_block(n: int) -> None:
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_dissemination_partners_pair_up(n: int) -> None:
-    plans = [dissemination_partners(r, n) for r in range(n)]
+    plans = [barrier_partners(r, n) for r in range(n)]
     for r in range(n):
         for k, (send_to, recv_from) in enumerate(plans[r]):
             assert plans[send_to][k][1] == r and plans[recv_from][k][0] == r

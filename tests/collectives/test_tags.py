@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from netdist.collectives import Group
-from netdist.collectives.group import reserve_tags
+from netdist.collectives.tags import reserve_tags
 from netdist.collectives.tags import (
     GROUP_FLAG,
     P2P_BIT,
@@ -79,9 +79,9 @@ def test_every_rank_reserves_the_same_ranges_in_the_same_order() -> None:
 
 
 def test_a_colliding_reservation_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    import netdist.collectives.group as group_module
+    import netdist.collectives.tags as tags_module
 
-    monkeypatch.setattr(group_module, "reserved_range",
+    monkeypatch.setattr(tags_module, "reserved_range",
                         lambda ranks, owner, index: TagRange(owner, GROUP_FLAG | RESERVED_BIT))
     transport = InProcessTransport.create_group(2, timeout=5)[0]
     reserve_tags(transport, (0, 1), "a")

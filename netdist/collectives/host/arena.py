@@ -59,8 +59,8 @@ from netdist.collectives.host.layout import HostLayout, LocalMode
 from netdist.collectives.host.segments import SegmentLocator, SharedSegment
 from netdist.collectives.host.settings import ShmCopy
 from netdist.collectives.host.turns import TurnQueue
-from netdist.collectives.ring import chain_broadcast, ring_all_reduce
-from netdist.collectives.small import bruck_all_gather_blobs
+from netdist.collectives.algorithms.ring import chain_broadcast, ring_all_reduce
+from netdist.collectives.algorithms.bruck import bruck_all_gather_blobs
 from netdist.errors import LocalProtocolError, PeerLostError, SharedMemoryError
 from netdist.sharding import chunk_bounds
 from netdist.transport.host_identity import host_key

@@ -19,9 +19,9 @@ from netdist.collectives.channel import Channel
 from netdist.collectives.host.arena import host_all_reduce
 from netdist.collectives.ops.arguments import WIRE_DTYPES, contiguous, in_place, reduce_op
 from netdist.collectives.ops.context import OpContext, arena_mode
-from netdist.collectives.ring import ring_all_reduce
+from netdist.collectives.algorithms.ring import ring_all_reduce
 from netdist.collectives.routes import Algorithm, Operation, Turn, plan
-from netdist.collectives.small import doubling_all_reduce
+from netdist.collectives.algorithms.doubling import doubling_all_reduce
 from netdist.types import ReduceOp, check_reduce_dtype, divide_into
 
 __all__ = ["prepare_all_reduce", "start_eagerly"]

@@ -3,7 +3,7 @@
 
 ``all_to_all`` runs every pairwise exchange at once; ``barrier`` is the dissemination
 barrier (no root, ``ceil(log2 n)`` rounds); ``monitored_barrier`` goes through group
-rank 0, which names the ranks that did not arrive (``netdist.collectives.monitored``);
+rank 0, which names the ranks that did not arrive (``netdist.collectives.algorithms.barrier``);
 the object collectives move msgpack blobs by Bruck's all-gather and the binomial tree.
 """
 
@@ -15,16 +15,14 @@ from typing import Any
 import numpy as np
 
 from netdist.collectives.channel import Channel
-from netdist.collectives.monitored import root_monitored_barrier
+from netdist.collectives.algorithms.barrier import root_monitored_barrier
 from netdist.collectives.objects import pack_object_blob, unpack_object_blob
 from netdist.collectives.ops.arguments import check_array
 from netdist.collectives.ops.context import OpContext
-from netdist.collectives.small import (
-    all_to_all_exchange,
-    bruck_all_gather_blobs,
-    dissemination_barrier,
-    tree_broadcast_blob,
-)
+from netdist.collectives.algorithms.barrier import dissemination_barrier
+from netdist.collectives.algorithms.bruck import bruck_all_gather_blobs
+from netdist.collectives.algorithms.linear import all_to_all_exchange
+from netdist.collectives.algorithms.trees import tree_broadcast_blob
 from netdist.tensors import as_arrays, stage_out
 
 __all__ = [

@@ -17,9 +17,11 @@ from netdist.collectives.channel import Channel
 from netdist.collectives.host.arena import host_broadcast
 from netdist.collectives.ops.arguments import check_array, contiguous, in_place, reduce_op, tensor_io
 from netdist.collectives.ops.context import OpContext, arena_mode
-from netdist.collectives.ring import chain_broadcast, ring_reduce_scatter
+from netdist.collectives.algorithms.ring import chain_broadcast, ring_reduce_scatter
 from netdist.collectives.routes import Algorithm, Operation, Turn
-from netdist.collectives.small import gather_tasks, linear_gather, linear_scatter, tree_broadcast, tree_reduce
+from netdist.collectives.algorithms.linear import linear_gather, linear_scatter
+from netdist.collectives.algorithms.receive import gather_tasks
+from netdist.collectives.algorithms.trees import tree_broadcast, tree_reduce
 from netdist.sharding import chunk_bounds
 from netdist.tensors import as_arrays, is_tensor, numpy_result, stage_out, to_tensor
 from netdist.types import ReduceOp, check_reduce_dtype, divide_into

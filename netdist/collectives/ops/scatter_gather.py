@@ -19,7 +19,7 @@ from netdist.collectives.host.arena import HostArena
 from netdist.collectives.ops.arguments import check_array, contiguous, reduce_op, tensor_io
 from netdist.collectives.ops.context import OpContext, arena_mode
 from netdist.collectives.plan import offsets_from_sizes
-from netdist.collectives.ring import ring_all_gather, ring_reduce_scatter
+from netdist.collectives.algorithms.ring import ring_all_gather, ring_reduce_scatter
 from netdist.collectives.routes import (
     UNKNOWN_SIZE,
     Algorithm,
@@ -28,7 +28,8 @@ from netdist.collectives.routes import (
     Turn,
     all_gather_algorithm,
 )
-from netdist.collectives.small import bruck_all_gather, bruck_all_gather_blobs, doubling_all_reduce
+from netdist.collectives.algorithms.bruck import bruck_all_gather, bruck_all_gather_blobs
+from netdist.collectives.algorithms.doubling import doubling_all_reduce
 from netdist.sharding import chunk_bounds
 from netdist.tensors import to_tensor
 from netdist.types import ReduceOp, check_reduce_dtype, divide_into, dtype_to_wire

@@ -1,6 +1,11 @@
-"""``Group.monitored_barrier``: a barrier that names the ranks that did not arrive.
+"""The group's barriers: the dissemination barrier (``Group.barrier``) and the
+monitored barrier through rank 0 (``Group.monitored_barrier``).
 
-Gloo's protocol and messages (torch's ``monitored_barrier``): every rank but group rank 0
+The dissemination barrier is the transport's (``netdist.transport.barrier``: one round
+loop and one partner schedule for both), run on group ranks on the operation's tag and
+bounded by the group's deadline: ``ceil(log2 n)`` rounds of empty messages, no root.
+
+The monitored barrier names the ranks that did not arrive. Gloo's protocol and messages (torch's ``monitored_barrier``): every rank but group rank 0
 sends rank 0 a one-byte token and waits for one back. Rank 0 receives the tokens in rank
 order until its deadline; a rank whose token did not come (or that was lost) has failed
 to pass. Without ``wait_all_ranks`` rank 0 stops at the first such rank, with it it
@@ -19,16 +24,26 @@ import asyncio
 import numpy as np
 
 from netdist.collectives.channel import Channel
-from netdist.collectives.small import gather_tasks
+from netdist.collectives.algorithms.receive import EMPTY, gather_tasks
 from netdist.errors import NetdistTimeoutError, PeerLostError
+from netdist.transport.barrier import barrier_partners, dissemination_rounds
 
-__all__ = ["root_monitored_barrier", "root_monitored_limit"]
+__all__ = ["dissemination_barrier", "root_monitored_barrier", "root_monitored_limit"]
 
 _LAST_LOOK = 0.001
 """Seconds rank 0 still waits for a token once its deadline has passed."""
 
 _SLACK = 1.0
 """Seconds past its own waits that a monitored barrier is allowed."""
+
+
+async def dissemination_barrier(chan: Channel) -> None:
+    """Barrier in ``ceil(log2 n)`` rounds of empty messages (no root): the transport's
+    dissemination barrier on group ranks, on the operation's tag, bounded by the group."""
+    await dissemination_rounds(chan.rank,
+                               chan.plan(barrier_partners, chan.rank, chan.world_size),
+                               lambda peer, _: chan.send(peer, EMPTY),
+                               lambda peer, _: chan.recv(peer))
 
 
 def root_monitored_limit(seconds: float, world_size: int) -> float:
