@@ -37,7 +37,6 @@ PURE = [
     "netdist.collectives.plan",
     "netdist.collectives.hosts",
     "netdist.collectives.tags",
-    "netdist.ps.state",
     "netdist.ps.placement",
     "netdist.ps.messages",
     "netdist.ps.shard",
