@@ -56,7 +56,7 @@ async def _worker(args: argparse.Namespace) -> None:
 
     from netdist.collectives import Group
     from netdist.parallel.aggregators import AllReduceAggregator
-    from netdist.transport.setup import init
+    from netdist.transport.bootstrap import init
     from netdist.types import ReduceOp
 
     async with init() as transport:

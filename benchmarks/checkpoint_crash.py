@@ -97,7 +97,7 @@ async def _job(args: argparse.Namespace) -> None:
     from netdist.checkpoint import list_checkpoints, load, save
     from netdist.collectives import Group
     from netdist.config import DistributedConfig
-    from netdist.transport.setup import init
+    from netdist.transport.bootstrap import init
 
     config = DistributedConfig(rank=args.rank, world_size=WORLD,
                                coordinator=("127.0.0.1", args.port), token=args.token,

@@ -26,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from netdist.collectives.bench import BenchRow, busbw_factor, format_table  # noqa: E402
+from netdist.collectives.benchmark import BenchRow, busbw_factor, format_table  # noqa: E402
 
 
 def _run_once(op: str, n: int, args: argparse.Namespace, path: str) -> list[dict[str, Any]]:

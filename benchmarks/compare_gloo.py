@@ -53,7 +53,7 @@ def _factor(op: str, n: int) -> float:
 
 
 def _parse_sizes(text: str) -> list[int]:
-    from netdist.collectives.bench import parse_sizes
+    from netdist.collectives.benchmark import parse_sizes
 
     return parse_sizes(text)
 
@@ -125,8 +125,8 @@ def _time_iterations(call: Any, barrier: Any, iters: int, warmup: int) -> list[f
 def _netdist_worker(spec: dict[str, Any]) -> None:
     from netdist.cli.loop import run
     from netdist.collectives import Group
-    from netdist.collectives.bench import run_benchmark
-    from netdist.transport.setup import init
+    from netdist.collectives.benchmark import run_benchmark
+    from netdist.transport.bootstrap import init
 
     async def main() -> None:
         async with init() as transport:
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
             bw_g = size / t_g / 1e9 * factor if t_g and size else None
             speedup = t_g / t_nd if t_g and t_nd else None
             check = ",".join(sorted(nd[key]["checks"])) or "-"
-            from netdist.collectives.bench import format_size
+            from netdist.collectives.benchmark import format_size
             print(f"  {op:<15}{format_size(size):>8} "
                   f"{(_fmt_time(t_g) if not g.get('error') else 'unsupported'):>11} "
                   f"{_fmt_time(t_nd):>13} "

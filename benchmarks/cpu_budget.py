@@ -49,7 +49,7 @@ def _worker(spec: dict) -> None:
 
     from netdist.cli.loop import run
     from netdist.collectives import Group
-    from netdist.transport.setup import init
+    from netdist.transport.bootstrap import init
     from netdist.types import ReduceOp
 
     async def main() -> None:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.nprocs < 2 or args.iters < 1:
         parser.error("--nprocs must be >= 2 and --iters >= 1")
-    from netdist.collectives.bench import parse_size
+    from netdist.collectives.benchmark import parse_size
     from netdist.launcher import launch
     from netdist.transport.spin import available_cpus
 

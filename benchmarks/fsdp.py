@@ -138,7 +138,7 @@ async def worker(spec: dict[str, Any], out_dir: str) -> None:
     try:
         from netdist import init  # type: ignore[attr-defined]
     except ImportError:  # before the top-level export lands
-        from netdist.transport.setup import init
+        from netdist.transport.bootstrap import init
 
     async with init() as transport:
         group = Group(transport, timeout=TIMEOUT)

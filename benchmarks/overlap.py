@@ -69,7 +69,7 @@ async def _worker(args: argparse.Namespace) -> None:
     from netdist.train.losses import softmax_cross_entropy
     from netdist.train.nn import mlp
     from netdist.train.step import distributed_train_step
-    from netdist.transport.setup import init
+    from netdist.transport.bootstrap import init
     from netdist.types import ReduceOp
 
     async with init() as transport:

@@ -94,7 +94,7 @@ async def worker(args: dict[str, Any], out_dir: str) -> None:
     try:
         from netdist import init
     except ImportError:  # pragma: no cover - before the top-level export lands
-        from netdist.transport.setup import init
+        from netdist.transport.bootstrap import init
 
     async with init() as transport:
         rank, p = transport.rank, transport.world_size

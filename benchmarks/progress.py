@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from netdist.collectives.bench import parse_size  # noqa: E402
+from netdist.collectives.benchmark import parse_size  # noqa: E402
 from netdist.collectives import Group  # noqa: E402
 
 

@@ -112,7 +112,7 @@ async def _sync_rank(args: argparse.Namespace) -> None:
 
     from netdist.collectives import Group
     from netdist.ps import ParameterServer
-    from netdist.transport.setup import init
+    from netdist.transport.bootstrap import init
     from netdist.types import ReduceOp
 
     async with init() as transport:
@@ -142,7 +142,7 @@ async def _sharded_rank(args: argparse.Namespace) -> None:
 
     from netdist.collectives import Group
     from netdist.ps import PSClient, PSServer, SGDConfig
-    from netdist.transport.setup import init
+    from netdist.transport.bootstrap import init
     from netdist.types import ReduceOp
 
     servers = args.servers

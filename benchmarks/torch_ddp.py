@@ -473,7 +473,7 @@ def _fmt_cores(value: float | None) -> str:
 
 
 def _fmt_size(nbytes: int) -> str:
-    from netdist.collectives.bench import format_size
+    from netdist.collectives.benchmark import format_size
 
     return format_size(nbytes)
 
@@ -694,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         args.latency_iters, args.bw_iters, args.rounds = 20, 3, 1
         if args.profile == "auto":
             args.profile = "never"
-    from netdist.collectives.bench import parse_sizes
+    from netdist.collectives.benchmark import parse_sizes
 
     try:
         world_sizes = [int(x) for x in args.world_sizes.split(",") if x.strip()]

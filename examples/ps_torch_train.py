@@ -5,7 +5,7 @@ from torch import nn
 
 import netdist
 from netdist.ps import ColocatedPS, SGDConfig, ServerOptimizerAggregator
-from netdist.torch.sync import GradientSync
+from netdist.torch.gradient_sync import GradientSync
 
 torch.manual_seed(0)                       # the same data on every rank
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))

@@ -6,7 +6,7 @@ from torch import nn
 
 import netdist
 from netdist.parallel.aggregators import AllReduceAggregator
-from netdist.torch.sync import GradientSync
+from netdist.torch.gradient_sync import GradientSync
 
 torch.manual_seed(0)                       # the same initial model on every rank
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))

@@ -2,7 +2,7 @@
 
 netdist holds parameters three ways, so it has three optimizer front-ends:
 
-- ``netdist.train.optim`` (``SGD``, ``Adam``): a model's ``Parameter`` objects, with
+- ``netdist.train.optimizers`` (``SGD``, ``Adam``): a model's ``Parameter`` objects, with
   per-parameter state created on the first step, as ``torch.optim`` does;
 - ``netdist.parallel.sharded_optim`` (``ShardedSGD``, ``ShardedAdam``): the flat shards
   FSDP owns, with state arrays FSDP allocates next to them (ZeRO-1);

@@ -2,7 +2,7 @@
 
 One copy of the update arithmetic shared by every optimizer in netdist, through
 ``netdist.optim`` (the configs, the per-array step and the shard optimizer that the local
-optimizers of ``netdist.train.optim``, the sharded FSDP optimizers of
+optimizers of ``netdist.train.optimizers``, the sharded FSDP optimizers of
 ``netdist.parallel.sharded_optim`` and the parameter servers use). Keeping the operation
 order in one place is what makes those three produce bitwise-identical trajectories,
 which their equivalence tests rely on.

@@ -21,7 +21,7 @@ through this module, the only place in those layers that touches torch:
   device or layout: move it with ``.cpu()``. A tensor whose dtype NumPy cannot view
   (complex with the conjugate bit, float8, ...) raises ``TypeError``.
 - **One conversion.** ``as_array`` is the only code in netdist that turns a tensor into
-  an array: the torch backend (``netdist.torch.tensors``) and checkpoints
+  an array: the torch backend (``netdist.torch.array_views``) and checkpoints
   (``netdist.checkpoint.torch_state``) call it with their own ``TensorRules`` (their
   wording, the dtypes they take), and ``check_tensor`` is its checks alone.
 - **bfloat16.** A ``torch.bfloat16`` tensor becomes an array of ``netdist.types.BFLOAT16``

@@ -147,4 +147,4 @@ def test_layer_map_and_exception_tree_are_drawn_once() -> None:
     layer_map = (DOCS / "layer-map.md").read_text(encoding="utf-8")
     assert ("  optim.py                             PURE optimizer configs (SGDConfig, "
             "AdamConfig) and the\n" in layer_map)
-    assert "roles (PURE; `state` re-exports them), server, client, sync" in layer_map
+    assert "roles (PURE), server, client, parameter_server (the\n" in layer_map

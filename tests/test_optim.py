@@ -19,7 +19,7 @@ from netdist.optim import (
 )
 from netdist.parallel.sharded_optim import ShardedAdam, ShardedSGD
 from netdist.train.nn import Parameter
-from netdist.train.optim import SGD, Adam
+from netdist.train.optimizers import SGD, Adam
 from netdist.types import BFLOAT16, bfloat16_to_float32, float32_to_bfloat16
 
 CONFIGS = [SGDConfig(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),

@@ -39,7 +39,6 @@ PURE = [
     "netdist.collectives.host.layout",
     "netdist.collectives.host.settings",
     "netdist.collectives.tags",
-    "netdist.ps.state",
     "netdist.ps.placement",
     "netdist.ps.messages",
     "netdist.ps.shard",

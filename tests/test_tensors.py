@@ -110,7 +110,7 @@ def test_every_refusal_of_an_off_cpu_or_sparse_tensor_is_one_error_type() -> Non
     conversion: each refuses the tensor with ``TensorDeviceError`` (the ``ValueError``
     the collectives document), in its own words."""
     from netdist.checkpoint.torch_state import tensor_array
-    from netdist.torch.tensors import check_cpu
+    from netdist.torch.array_views import check_cpu
 
     refusals = {
         "collectives": lambda t: as_array(t, "all_reduce"),

@@ -68,7 +68,6 @@ from netdist.checkpoint.reading import (
 from netdist.checkpoint.restore import (
     check_destination,
     check_rank_objects,
-    leaf_array,
     plan_restore,
 )
 from netdist.checkpoint.state import (
@@ -76,6 +75,7 @@ from netdist.checkpoint.state import (
     flatten_state,
     is_stateful,
     is_torch_tensor,
+    leaf_array,
     merge_summaries,
     state_summary,
 )

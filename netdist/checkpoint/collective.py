@@ -80,10 +80,9 @@ from netdist.checkpoint.reading import CheckpointReader, resolve_checkpoint
 from netdist.checkpoint.restore import (
     RANK_OBJECT_POLICIES,
     check_rank_objects,
-    leaf_array,
     plan_restore,
 )
-from netdist.checkpoint.state import ShardedArray, flatten_state, state_summary
+from netdist.checkpoint.state import ShardedArray, flatten_state, leaf_array, state_summary
 from netdist.checkpoint.storage import check_file_sizes, read_metadata_text
 from netdist.checkpoint.summary import (
     RankFailure,

@@ -55,6 +55,7 @@ from netdist.checkpoint.state import (
     ShardedArray,
     flatten_state,
     is_torch_tensor,
+    leaf_array,
     skeleton_subtree,
     skeleton_tensors,
     subtree_objects,
@@ -70,7 +71,6 @@ __all__ = [
     "check_rank_objects",
     "RestorePlan",
     "plan_restore",
-    "leaf_array",
     "check_destination",
     "apply_state",
     "full_box",
@@ -116,24 +116,6 @@ class RestorePlan:
 
 def full_box(shape: tuple[int, ...]) -> Box:
     return tuple((0, n) for n in shape)
-
-
-def leaf_array(value: Any, name: str) -> np.ndarray:
-    """The NumPy array a tensor leaf is written from or read into (a torch tensor's own
-    memory, never a copy)."""
-    if isinstance(value, np.ndarray):
-        return value
-    if is_torch_tensor(value):
-        from netdist.checkpoint.torch_state import tensor_array
-
-        return tensor_array(value, name)
-    try:
-        array = np.asarray(value)
-    except Exception as exc:
-        raise TypeError(f"{name!r}: cannot view {type(value).__name__} as an array") from exc
-    if array.dtype == object:
-        raise TypeError(f"{name!r}: {type(value).__name__} is not an array")
-    return array
 
 
 def _dtype_text(dtype: np.dtype[Any]) -> str:

@@ -50,6 +50,7 @@ __all__ = [
     "skeleton_subtree",
     "subtree_objects",
     "is_torch_tensor",
+    "leaf_array",
     "is_stateful",
     "state_summary",
     "merge_summaries",
@@ -64,6 +65,24 @@ def is_torch_tensor(value: Any) -> bool:
     torch = sys.modules.get("torch")
     tensor_type = getattr(torch, "Tensor", None)
     return isinstance(tensor_type, type) and isinstance(value, tensor_type)
+
+
+def leaf_array(value: Any, name: str) -> np.ndarray:
+    """The NumPy array a tensor leaf is written from or read into (a torch tensor's own
+    memory, never a copy)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if is_torch_tensor(value):
+        from netdist.checkpoint.torch_state import tensor_array
+
+        return tensor_array(value, name)
+    try:
+        array = np.asarray(value)
+    except Exception as exc:
+        raise TypeError(f"{name!r}: cannot view {type(value).__name__} as an array") from exc
+    if array.dtype == object:
+        raise TypeError(f"{name!r}: {type(value).__name__} is not an array")
+    return array
 
 
 @dataclass(frozen=True, slots=True)

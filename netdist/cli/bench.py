@@ -34,7 +34,7 @@ examples:
 
 
 def _size(text: str) -> int:
-    from netdist.collectives.bench import parse_size
+    from netdist.collectives.benchmark import parse_size
 
     try:
         return parse_size(text)
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _sizes(args: argparse.Namespace) -> list[int]:
-    from netdist.collectives.bench import parse_sizes
+    from netdist.collectives.benchmark import parse_sizes
     from netdist.errors import ConfigError
 
     text = args.sizes or ("8,64K,1M,64M" if args.op == "p2p" else "8:64M")
@@ -129,9 +129,9 @@ def _sizes(args: argparse.Namespace) -> list[int]:
 async def _worker(args: argparse.Namespace, sizes: list[int]) -> int:
     from netdist.cli.loop import event_loop_name
     from netdist.collectives import Group
-    from netdist.collectives.bench import format_table, plot_rows, run_benchmark, write_json
+    from netdist.collectives.benchmark import format_table, plot_rows, run_benchmark, write_json
     from netdist.errors import ConfigError
-    from netdist.transport.setup import init
+    from netdist.transport.bootstrap import init
 
     async with init() as transport:
         rank, n = transport.rank, transport.world_size

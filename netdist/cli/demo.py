@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)  # fail here, once, rather than in every rank
     config.check_world_size(args.nprocs)
     if config.checkpoint_dir:  # before any rank starts, not at the first save
-        from netdist.train.demo import checkpoint_dir_problem
+        from netdist.train.digits_job import checkpoint_dir_problem
 
         problem = checkpoint_dir_problem(config.checkpoint_dir)
         if problem:

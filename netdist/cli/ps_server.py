@@ -1,7 +1,7 @@
 """``netdist ps-server``: run the dedicated parameter-server ranks of a job.
 
 The first ``--num-servers`` ranks of the job (default ``$NETDIST_PS_SERVERS``, else 2, or
-1 in a 2-rank job: ``netdist.ps.state.default_num_servers``) serve: each joins the job
+1 in a 2-rank job: ``netdist.ps.roles.default_num_servers``) serve: each joins the job
 (``netdist.init``: rank, world size, coordinator and token from the environment), holds
 its shard of the parameters, applies the optimizer the workers chose, and exits 0 once
 every worker has said it is done. The other ranks are workers:
@@ -88,7 +88,7 @@ def _worker_command(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """Serve on server ranks; exec the worker command on worker ranks."""
     from netdist.config import DistributedConfig
-    from netdist.ps.state import PS_SERVERS_ENV, num_servers_from_env, ps_roles
+    from netdist.ps.roles import PS_SERVERS_ENV, num_servers_from_env, ps_roles
 
     config = DistributedConfig.from_env()
     num_servers = (args.num_servers if args.num_servers is not None
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(config: DistributedConfig, num_servers: int) -> ServerReport:
     from netdist.ps.server import PSServer
-    from netdist.transport.setup import init
+    from netdist.transport.bootstrap import init
 
     async with init(config) as transport:
         return await PSServer(transport, num_servers=num_servers).run()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from netdist.parallel.schedule import ScheduleKind
 
 if TYPE_CHECKING:
-    from netdist.train.demo import DemoConfig
+    from netdist.train.digits_job import DemoConfig
 
 __all__ = ["add_parser", "run", "add_training_flags", "config_from_args", "training_argv"]
 
@@ -93,7 +93,7 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
     """Build the ``DemoConfig`` the training flags describe (``ConfigError`` if invalid)."""
     from netdist.errors import ConfigError
-    from netdist.train.demo import DemoConfig
+    from netdist.train.digits_job import DemoConfig
 
     try:
         hidden = tuple(int(h) for h in str(args.hidden).split(",") if h.strip())
@@ -157,8 +157,8 @@ def run(args: argparse.Namespace) -> int:
     validate_environment()  # every NETDIST_* setting now, not when first used mid-job
 
     async def main() -> int:
-        from netdist.train.demo import train_worker
-        from netdist.transport.setup import init
+        from netdist.train.digits_job import train_worker
+        from netdist.transport.bootstrap import init
 
         async with init() as transport:
             await train_worker(transport, config, log=lambda line: print(line, flush=True))

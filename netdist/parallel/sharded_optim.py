@@ -1,7 +1,7 @@
 """Optimizers over flat shard arrays: each rank updates only the elements it owns.
 
 ``ShardedSGD`` and ``ShardedAdam`` apply, element by element, exactly the update rules of
-``netdist.train.optim.SGD`` / ``Adam`` (which follow ``torch.optim``): their
+``netdist.train.optimizers.SGD`` / ``Adam`` (which follow ``torch.optim``): their
 hyper-parameters are a ``netdist.optim`` config and every step is ``netdist.optim.update``,
 so a model trained with FSDP and a sharded optimizer follows the single-process
 trajectory up to the rounding of the gradient reduction. FSDP hands them 1-D views of a

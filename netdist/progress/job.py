@@ -31,8 +31,8 @@ from netdist.progress.handle import Handle
 from netdist.progress.loops import LoopFactory
 from netdist.progress.proxy import Awaiting, Blocking, unwrap, unwrap_arguments
 from netdist.progress.thread import ProgressThread
+from netdist.transport.bootstrap import cut_for_user
 from netdist.transport.rendezvous import OnCoordinatorReady
-from netdist.transport.setup import cut_for_user
 from netdist.transport.tcp import TcpTransport
 
 __all__ = ["Job", "connect"]
@@ -73,7 +73,7 @@ class Job:
         bounded by the configuration's timeouts (``join_timeout``); on failure the thread
         is stopped and the same ``netdist.errors`` exception ``init()`` raises is raised
         here, its traceback cut to the caller's frames unless ``NETDIST_DEBUG=1``
-        (``netdist.transport.setup.cut_for_user``). Rank 0 calls
+        (``netdist.transport.bootstrap.cut_for_user``). Rank 0 calls
         ``on_coordinator_ready((host, port))`` (on the progress thread) once its
         coordinator is bound, which is how a coordinator port 0 is shared.
         """

@@ -12,7 +12,7 @@ also serve); ``ServerOptimizerAggregator`` plugs the server-side optimizer into 
 ``distributed_train_step`` loop (the demo job's update paths over these modes are
 ``netdist.train.ps_paths``).
 
-The PURE logic, one module per job (``netdist.ps.state`` re-exports all of it):
+The PURE logic, one module per job:
 ``placement`` (which server holds which elements), ``messages`` (how an exchange is cut
 into messages), ``shard`` (a server's parameters and optimizer), ``staleness`` (the
 version clock and bounded-staleness rule), ``roles`` (which ranks serve, environment
@@ -24,7 +24,7 @@ and bfloat16 without ``ml_dtypes``: the rank-0 server averages it as torch does,
 sharded servers keep a float32 master copy (``ServerShard``).
 
 Names resolve lazily (``netdist._lazy``): importing a PURE module such as
-``netdist.ps.state`` does not import the servers and clients, and with them asyncio.
+``netdist.ps.placement`` does not import the servers and clients, and with them asyncio.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 _EXPORTS: dict[str, str] = {
-    "ParameterServer": "netdist.ps.sync",
+    "ParameterServer": "netdist.ps.parameter_server",
     "PSServer": "netdist.ps.server",
     "PSClient": "netdist.ps.client",
     "ColocatedPS": "netdist.ps.colocated",
@@ -90,6 +90,7 @@ if TYPE_CHECKING:
     from netdist.ps.adapters import ServerOptimizerAggregator
     from netdist.ps.client import PSClient
     from netdist.ps.colocated import ColocatedPS
+    from netdist.ps.parameter_server import ParameterServer
     from netdist.ps.placement import (
         DEFAULT_BIGARRAY_BOUND,
         ParamSpec,
@@ -107,7 +108,6 @@ if TYPE_CHECKING:
     )
     from netdist.ps.server import PSServer, ServerReport, serve
     from netdist.ps.staleness import StalenessController, VersionLogEntry
-    from netdist.ps.sync import ParameterServer
 else:
     from netdist._lazy import attach as _attach
 

@@ -54,7 +54,7 @@ class ServerOptimizerAggregator:
     ``optimizer=`` (and ``max_staleness``, ``bigarray_bound``, as for ``PSClient.init``)
     and call ``init(params)``, which registers ``params`` with the servers, writes the
     initial parameters (the first worker's values) into them and makes them ``out``.
-    ``netdist.torch.sync.GradientSync`` calls ``init`` with the model's parameters.
+    ``netdist.torch.gradient_sync.GradientSync`` calls ``init`` with the model's parameters.
     """
 
     returns_parameters = True

@@ -17,7 +17,7 @@ a job runs the same training script (``netdist launch``, ``netdist demo``); use 
 Parameters, gradients and ``out=`` may be CPU torch tensors, bfloat16 included, exactly
 as for ``PSClient``; this rank's server keeps bfloat16 parameters as a float32 master copy
 (``netdist.ps.shard.ServerShard``). In a torch loop, ``ServerOptimizerAggregator(ps,
-optimizer=...)`` with ``netdist.torch.sync.GradientSync`` does the pushing and pulling.
+optimizer=...)`` with ``netdist.torch.gradient_sync.GradientSync`` does the pushing and pulling.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ messages from the same inputs, so nothing about the cut is sent. Its two users:
 - ``plan_segments``: a sharded server's flat buffer (its ``ShardSlice`` s), as
   ``Segment`` s (``netdist.ps.client`` / ``netdist.ps.server``);
 - ``plan_pieces``: the tensors of a sync round laid out by ``FlatLayout`` (one flat
-  buffer per dtype, ``netdist.sharding.flat_slots``), as ``Piece`` s (``netdist.ps.sync``).
+  buffer per dtype, ``netdist.sharding.flat_slots``), as ``Piece`` s (``netdist.ps.parameter_server``).
 """
 
 from __future__ import annotations

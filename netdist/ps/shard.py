@@ -40,7 +40,7 @@ class ServerShard:
     values workers pull.
 
     For float16/32/64 the master *is* the wire buffer and the arithmetic is exactly
-    ``netdist.train.optim``'s in that dtype, as before. For bfloat16 the server keeps
+    ``netdist.train.optimizers``'s in that dtype, as before. For bfloat16 the server keeps
     float32 master parameters and float32 optimizer state (``master_dtype``): each
     gradient is widened to float32 (exact), they are summed in float32 in the given
     order and divided once, the float32 optimizer step updates the master, and ``wire``

@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from netdist.progress.proxy import unwrap
 from netdist.torch.backend import BACKEND_NAME, ProcessGroupNetdist
-from netdist.torch.errors import NetdistDistError, NetdistNetworkError, NetdistTimeout
-from netdist.torch.rendezvous import join_from_store
-from netdist.torch.sync import GradientSync
-from netdist.torch.work import NetdistWork
+from netdist.torch.error_types import NetdistDistError, NetdistNetworkError, NetdistTimeout
+from netdist.torch.gradient_sync import GradientSync
+from netdist.torch.store_join import join_from_store
+from netdist.torch.work_handle import NetdistWork
 
 __all__ = [
     "register",

@@ -40,9 +40,9 @@ from torch.distributed import distributed_c10d as c10d
 from netdist.collectives.group import Group
 from netdist.errors import CollectiveMismatchError
 from netdist.progress.job import Job
-from netdist.torch.errors import to_torch_error
-from netdist.torch.tensors import Staged, ViewCache, as_array, as_bytes, check_cpu, stage
-from netdist.torch.work import ENDED, NetdistWork
+from netdist.torch.array_views import Staged, ViewCache, as_array, as_bytes, check_cpu, stage
+from netdist.torch.error_types import to_torch_error
+from netdist.torch.work_handle import ENDED, NetdistWork
 from netdist.types import ReduceOp
 
 __all__ = ["ProcessGroupNetdist", "BACKEND_NAME", "USER_TAG_LIMIT"]

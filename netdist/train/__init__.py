@@ -1,7 +1,7 @@
 """Training kit: NumPy layers with hand-written backward passes, losses, SGD/Adam,
 demo data with per-rank sharding, and ``distributed_train_step``.
 
-The demo job itself (``netdist.train.demo``) is not imported here: it pulls in the
+The demo job itself (``netdist.train.digits_job``) is not imported here: it pulls in the
 collectives and the parameter server, and the kit stays usable without them.
 
 Names resolve lazily (``netdist._lazy``): importing one module of the kit imports only
@@ -24,9 +24,9 @@ _EXPORTS: dict[str, str] = {
     "softmax_cross_entropy": "netdist.train.losses",
     "mse_loss": "netdist.train.losses",
     "log_softmax": "netdist.train.losses",
-    "Optimizer": "netdist.train.optim",
-    "SGD": "netdist.train.optim",
-    "Adam": "netdist.train.optim",
+    "Optimizer": "netdist.train.optimizers",
+    "SGD": "netdist.train.optimizers",
+    "Adam": "netdist.train.optimizers",
     "Dataset": "netdist.train.data",
     "load_digits_dataset": "netdist.train.data",
     "epoch_permutation": "netdist.train.data",
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     )
     from netdist.train.losses import log_softmax, mse_loss, softmax_cross_entropy
     from netdist.train.nn import Linear, Module, Parameter, ReLU, Sequential, Tanh, mlp
-    from netdist.train.optim import SGD, Adam, Optimizer
+    from netdist.train.optimizers import SGD, Adam, Optimizer
     from netdist.train.step import GradReady, distributed_train_step
 else:
     from netdist._lazy import attach as _attach

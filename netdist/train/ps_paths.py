@@ -1,7 +1,7 @@
 """The demo job's parameter-server update paths (``--aggregator ps | ps-sharded | ps-async``).
 
 ``demo_update_path(name, group, model, config)`` builds the aggregator and apply step of
-one mode from ``netdist.ps``; ``netdist.train.demo`` calls it for ``ps-sharded`` /
+one mode from ``netdist.ps``; ``netdist.train.digits_job`` calls it for ``ps-sharded`` /
 ``ps-async``. It lives in ``netdist.train`` because it composes the parameter server with
 a training loop (``train`` sits above ``ps``). It only relies on the duck-typed surface
 of the training kit -- ``model.parameters()`` yielding objects with ``.data`` and

@@ -13,9 +13,9 @@ _EXPORTS: dict[str, str] = {
     "MAX_TAG": "netdist.transport.base",
     "InProcessTransport": "netdist.transport.inprocess",
     "TcpTransport": "netdist.transport.tcp",
-    "init": "netdist.transport.setup",
-    "create_local_tcp_group": "netdist.transport.local",
-    "local_tcp_group": "netdist.transport.local",
+    "init": "netdist.transport.bootstrap",
+    "create_local_tcp_group": "netdist.transport.local_tcp",
+    "local_tcp_group": "netdist.transport.local_tcp",
     "p2p_benchmark": "netdist.transport.probe",
 }
 
@@ -32,10 +32,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from netdist.transport.base import MAX_TAG, Transport
+    from netdist.transport.bootstrap import init
     from netdist.transport.inprocess import InProcessTransport
-    from netdist.transport.local import create_local_tcp_group, local_tcp_group
+    from netdist.transport.local_tcp import create_local_tcp_group, local_tcp_group
     from netdist.transport.probe import p2p_benchmark
-    from netdist.transport.setup import init
     from netdist.transport.tcp import TcpTransport
 else:
     from netdist._lazy import attach as _attach

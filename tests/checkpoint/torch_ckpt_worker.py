@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from netdist.checkpoint import RNGState, load, save
 from netdist.collectives import Group
-from netdist.transport.setup import init
+from netdist.transport.bootstrap import init
 
 MICRO = 6
 MICRO_BATCH = 8

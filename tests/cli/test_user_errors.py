@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from netdist.ps.state import DEFAULT_PS_SERVERS, default_num_servers, num_servers_from_env
+from netdist.ps.roles import DEFAULT_PS_SERVERS, default_num_servers, num_servers_from_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BOUND = 120.0
@@ -58,7 +58,7 @@ def test_demo_checks_the_checkpoint_dir_before_starting_any_rank(
 
 
 def test_demo_creates_a_missing_checkpoint_dir_and_leaves_no_probe(tmp_path: Path) -> None:
-    from netdist.train.demo import checkpoint_dir_problem
+    from netdist.train.digits_job import checkpoint_dir_problem
 
     target = tmp_path / "new" / "ckpt"
     assert checkpoint_dir_problem(target, tag="-x") is None

@@ -34,7 +34,7 @@ import numpy as np
 
 from netdist.collectives import Group
 from netdist.sharding import chunk_bounds
-from netdist.transport.setup import init
+from netdist.transport.bootstrap import init
 from netdist.types import ReduceOp
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from netdist.collectives import Group
 from netdist.errors import NetdistTimeoutError, PeerLostError
-from netdist.transport.local import local_tcp_group
+from netdist.transport.local_tcp import local_tcp_group
 from netdist.types import ReduceOp
 from tests.collectives.helpers import RING, SMALL, assert_bitwise_equal
 from tests.ranks import run_ranks

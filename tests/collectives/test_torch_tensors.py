@@ -421,7 +421,7 @@ NO_ML_DTYPES_SCRIPT = HIDE_ML_DTYPES + textwrap.dedent('''
     import torch
     from netdist.collectives import Group
     from netdist.sharding import chunk_bounds
-    from netdist.transport.local import local_tcp_group
+    from netdist.transport.local_tcp import local_tcp_group
     from netdist.types import BFLOAT16, BFLOAT16_RAW, WIRE_DTYPES, ReduceOp
 
     assert "bfloat16" not in WIRE_DTYPES and BFLOAT16 is BFLOAT16_RAW
@@ -487,7 +487,7 @@ NEITHER_SCRIPT = HIDE_ML_DTYPES + 'sys.modules["torch"] = None\n' + textwrap.ded
     import asyncio
     import numpy as np
     from netdist.collectives import Group
-    from netdist.transport.local import local_tcp_group
+    from netdist.transport.local_tcp import local_tcp_group
     from netdist.types import BFLOAT16_RAW
 
     async def main():

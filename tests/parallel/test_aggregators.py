@@ -26,7 +26,7 @@ from netdist.train.data import epoch_permutation, iterate_batches, load_digits_d
 from netdist.train.losses import softmax_cross_entropy
 from netdist.train.nn import mlp
 from tests.ranks import start_until_blocked
-from netdist.train.optim import SGD
+from netdist.train.optimizers import SGD
 from netdist.train.step import distributed_train_step
 from netdist.transport.inprocess import InProcessTransport
 from tests import ranks

@@ -19,7 +19,7 @@ from netdist.parallel.fsdp import FSDP, MemoryEstimate, ShardedStateDict, Shardi
 from netdist.parallel.sharded_optim import ShardedAdam, ShardedSGD
 from netdist.train.losses import softmax_cross_entropy
 from netdist.train.nn import Module, Parameter, Sequential, mlp
-from netdist.train.optim import SGD, Adam
+from netdist.train.optimizers import SGD, Adam
 from netdist.transport.inprocess import InProcessTransport
 from tests import ranks
 
@@ -182,7 +182,7 @@ async def test_grouped_units_and_deep_prefetch_match(min_params):
 
 async def test_full_shard_over_real_tcp():
     """FULL_SHARD with prefetch over real sockets (create_local_tcp_group)."""
-    from netdist.transport.local import create_local_tcp_group
+    from netdist.transport.local_tcp import create_local_tcp_group
 
     n = 3
     batches = make_batches(n, steps=5)

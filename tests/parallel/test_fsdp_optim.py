@@ -13,7 +13,7 @@ from netdist.parallel.sharded_optim import (
     sharded_optimizer_from,
 )
 from netdist.train.nn import Parameter
-from netdist.train.optim import SGD, Adam
+from netdist.train.optimizers import SGD, Adam
 
 STEPS = 6
 

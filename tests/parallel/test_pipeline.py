@@ -29,7 +29,7 @@ from netdist.parallel.stages import (
 )
 from netdist.train.losses import mse_loss, softmax_cross_entropy
 from netdist.train.nn import Sequential, mlp
-from netdist.train.optim import SGD, Adam
+from netdist.train.optimizers import SGD, Adam
 from netdist.transport.inprocess import InProcessTransport
 from tests import ranks
 
@@ -214,7 +214,7 @@ async def test_two_stages_times_two_replicas_matches_single_process(schedule: st
                          [(3, 1, "1f1b"), (2, 2, "gpipe")])
 async def test_pipeline_over_real_tcp_matches_single_process(num_stages: int, replicas: int,
                                                              schedule: str) -> None:
-    local = require("netdist.transport.local", "create_local_tcp_group")
+    local = require("netdist.transport.local_tcp", "create_local_tcp_group")
     if replicas > 1:
         require("netdist.collectives", "Group")
     config = PipelineParallelConfig(num_stages, num_micro_batches=4, schedule=schedule,
@@ -508,12 +508,12 @@ KILL_SCRIPT = textwrap.dedent("""
     try:
         from netdist import init
     except ImportError:  # before the top-level export lands
-        from netdist.transport.setup import init
+        from netdist.transport.bootstrap import init
     from netdist.parallel.pipeline import PipelineParallel
     from netdist.parallel.stages import PipelineParallelConfig, split_into_stages
     from netdist.train.losses import softmax_cross_entropy
     from netdist.train.nn import mlp
-    from netdist.train.optim import SGD
+    from netdist.train.optimizers import SGD
 
     SIZES = [6, 16, 12, 10, 3]
     VICTIM = int(sys.argv[1])
@@ -566,7 +566,7 @@ KILL_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_sigkilled_stage_process_makes_the_others_raise(tmp_path: Path) -> None:
-    require("netdist.transport.setup", "init")
+    require("netdist.transport.bootstrap", "init")
     script = tmp_path / "pipe_kill.py"
     script.write_text(KILL_SCRIPT)
     victim, world, pipe_timeout = 1, 3, 15.0

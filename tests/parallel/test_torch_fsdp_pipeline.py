@@ -44,7 +44,7 @@ from netdist.parallel.stages import (  # noqa: E402
 )
 from netdist.train.losses import softmax_cross_entropy  # noqa: E402
 from netdist.train.nn import mlp  # noqa: E402
-from netdist.train.optim import SGD  # noqa: E402
+from netdist.train.optimizers import SGD  # noqa: E402
 from netdist.types import BFLOAT16, BFLOAT16_RAW  # noqa: E402
 from tests import ranks  # noqa: E402
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from netdist.ps import PSClient, SGDConfig, num_servers_from_env
-from netdist.transport.setup import init
+from netdist.transport.bootstrap import init
 from tests.ps._model import init_mlp, mse_grads, regression_data
 
 SIZES = (6, 40, 30, 3)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from netdist.ps import AdamConfig, PSClient, PSServer, SGDConfig
-from netdist.ps.state import WorkerState
+from netdist.ps.staleness import WorkerState
 from tests.ps._model import init_mlp, mse_grads, regression_data, softmax_ce_grads
 from tests.ps.conftest import raise_any
 from tests.ps.test_sharded import run_job

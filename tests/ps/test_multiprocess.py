@@ -16,7 +16,7 @@ from tests.ps.test_sharded import local_reference
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-pytest.importorskip("netdist.transport.setup")
+pytest.importorskip("netdist.transport.bootstrap")
 
 
 def job_args(outdir: Path, *extra: str) -> list[str]:

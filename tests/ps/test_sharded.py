@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from netdist.errors import NetdistTimeoutError, ParameterServerError
+from netdist.optim import ShardOptimizer
 from netdist.ps import (
     AdamConfig,
     PSClient,
@@ -18,7 +19,6 @@ from netdist.ps import (
     ServerReport,
     SGDConfig,
 )
-from netdist.ps.state import ShardOptimizer
 from netdist.transport import InProcessTransport
 from tests.ps._model import init_mlp, mse_grads, regression_data
 from tests.ps.conftest import raise_any, run_ranks

@@ -11,10 +11,10 @@ import pytest
 from netdist.errors import ParameterServerError
 from netdist.ps import ParameterServer, PSClient, PSServer, SGDConfig
 from tests.ps.conftest import raise_any, run_ranks
+from tests.ps.test_parameter_server import single_process_reference, train_rank
 from tests.ps.test_sharded import local_reference, make_trainer
-from tests.ps.test_sync import single_process_reference, train_rank
 
-local = pytest.importorskip("netdist.transport.local")
+local = pytest.importorskip("netdist.transport.local_tcp")
 
 
 async def test_sync_mode_over_tcp_matches_single_process() -> None:

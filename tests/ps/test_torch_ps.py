@@ -35,7 +35,8 @@ from netdist.ps import (
     ServerOptimizerAggregator,
     SGDConfig,
 )
-from netdist.ps.state import ParamSpec, ServerShard, plan_shards
+from netdist.ps.placement import ParamSpec, plan_shards
+from netdist.ps.shard import ServerShard
 from netdist.transport import InProcessTransport
 from tests.ps.conftest import raise_any, run_ranks
 

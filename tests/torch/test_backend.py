@@ -174,6 +174,6 @@ def test_a_failure_prints_the_one_real_error_and_no_asyncio_noise(scenario: str)
     stderr = outcomes[0].stderr
     assert "never retrieved" not in stderr, stderr
     final = [line for line in stderr.splitlines()
-             if "netdist.torch.errors.NetdistNetworkError: " in line]
+             if "netdist.torch.error_types.NetdistNetworkError: " in line]
     assert len(final) == 1, stderr
     assert "lost group rank 1 (transport rank 1)" in final[0], stderr

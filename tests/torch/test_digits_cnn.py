@@ -111,7 +111,7 @@ def both_worker(rank: int, world_size: int, backend: str, init_method: str, out_
     ``batches[rank]``."""
     import netdist
     from netdist.parallel.aggregators import AllReduceAggregator
-    from netdist.torch.sync import GradientSync
+    from netdist.torch.gradient_sync import GradientSync
 
     batches = batches[rank]
     init_process_group(rank, world_size, backend, init_method)

@@ -84,7 +84,7 @@ def netdist_worker(rank: int, world_size: int, backend: str, init_method: str,
     import netdist
     from netdist.parallel.aggregators import (AllReduceAggregator, Fp16AllReduceAggregator,
                                               TopKAggregator)
-    from netdist.torch.sync import GradientSync
+    from netdist.torch.gradient_sync import GradientSync
 
     port = urlparse(init_method).port
     results: dict[str, Any] = {}

@@ -86,8 +86,8 @@ def netdist_worker(rank: int, world_size: int, backend: str, init_method: str,
     import netdist
     from netdist.progress.proxy import unwrap
     from netdist.ps import ColocatedPS, ParameterServer, ServerOptimizerAggregator, SGDConfig
-    from netdist.ps.state import WorkerState
-    from netdist.torch.sync import GradientSync
+    from netdist.ps.staleness import WorkerState
+    from netdist.torch.gradient_sync import GradientSync
 
     ranges = set()  # each scenario reserves its own tag range from the group
     port = urlparse(init_method).port

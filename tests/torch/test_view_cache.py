@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from netdist.torch.tensors import ViewCache, as_array
+from netdist.torch.array_views import ViewCache, as_array
 
 
 def _cached(cache: ViewCache, tensor: torch.Tensor) -> np.ndarray:

@@ -16,7 +16,7 @@ import pytest
 from netdist.checkpoint import list_checkpoints
 from netdist.cli.worker import add_training_flags, config_from_args, training_argv
 from netdist.errors import ConfigError
-from netdist.train.demo import DemoConfig, DemoResult, train_worker, update_factories
+from netdist.train.digits_job import DemoConfig, DemoResult, train_worker, update_factories
 from netdist.transport.inprocess import InProcessTransport
 from tests.ranks import run_ranks
 
@@ -162,8 +162,8 @@ def test_netdist_demo_over_tcp():
 async def test_serving_rank_hook():
     """A factory may make a rank serve instead of train (dedicated-server modes)."""
     from netdist.parallel.aggregators import LocalAggregator
-    from netdist.train.demo import UpdatePath
-    from netdist.train.optim import SGD
+    from netdist.train.digits_job import UpdatePath
+    from netdist.train.optimizers import SGD
 
     served = []
 
@@ -217,7 +217,7 @@ async def test_unusable_checkpoint_dir_fails_on_every_rank_before_the_first_step
 async def test_one_rank_that_cannot_write_is_named_on_every_rank(tmp_path, monkeypatch):
     # Ranks on different hosts may see different file systems: only rank 1 fails here,
     # and rank 0 is told instead of waiting for it at the first save.
-    import netdist.train.demo as demo
+    import netdist.train.digits_job as demo
 
     real = demo.checkpoint_dir_problem
 

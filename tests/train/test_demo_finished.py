@@ -9,7 +9,7 @@ import asyncio
 from pathlib import Path
 
 from netdist.checkpoint import list_checkpoints
-from netdist.train.demo import DemoConfig, DemoResult, train_worker
+from netdist.train.digits_job import DemoConfig, DemoResult, train_worker
 from netdist.transport.inprocess import InProcessTransport
 
 

@@ -20,7 +20,7 @@ from netdist.cli.worker import add_training_flags, config_from_args, training_ar
 from netdist.errors import ConfigError
 from netdist.parallel.stages import PipelineStage
 from netdist.train.data import load_digits_dataset
-from netdist.train.demo import (
+from netdist.train.digits_job import (
     DemoConfig,
     DemoResult,
     build_model,

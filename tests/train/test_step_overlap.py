@@ -24,7 +24,7 @@ from netdist.parallel.aggregators import (
 from netdist.progress import unwrap
 from netdist.train.losses import softmax_cross_entropy
 from netdist.train.nn import Parameter, Sequential, mlp
-from netdist.train.optim import SGD
+from netdist.train.optimizers import SGD
 from netdist.train.step import distributed_train_step
 from netdist.transport import local_tcp_group
 from netdist.transport.inprocess import InProcessTransport

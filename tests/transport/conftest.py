@@ -16,7 +16,7 @@ import pytest
 
 from netdist.config import ConnectMode
 from netdist.transport import InProcessTransport, Transport
-from netdist.transport.local import create_local_tcp_group
+from netdist.transport.local_tcp import create_local_tcp_group
 
 GroupFactory = Callable[..., Awaitable[list[Transport]]]
 

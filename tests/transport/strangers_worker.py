@@ -29,7 +29,7 @@ import numpy as np
 async def _job(limits: Any, ckpt_dir: str) -> dict[str, Any]:
     from netdist.checkpoint import load, save
     from netdist.collectives import Group
-    from netdist.transport.local import create_local_tcp_group
+    from netdist.transport.local_tcp import create_local_tcp_group
 
     # eager: the flood hits connections that are already established (a connection
     # made on first use meets the admission bounds like any other newcomer)

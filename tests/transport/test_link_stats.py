@@ -19,7 +19,7 @@ from netdist.transport.link_stats import (
     tcp_stats,
     unsent_bytes,
 )
-from netdist.transport.local import create_local_tcp_group
+from netdist.transport.local_tcp import create_local_tcp_group
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="TCP_INFO and SIOCOUTQ are Linux's")

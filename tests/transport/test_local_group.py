@@ -14,7 +14,7 @@ import pytest
 
 from netdist.config import DistributedConfig
 from netdist.errors import ConfigError, ConnectError
-from netdist.transport.local import create_local_tcp_group
+from netdist.transport.local_tcp import create_local_tcp_group
 from netdist.transport.tcp import TcpTransport
 
 CONNECT_SECONDS = 10.0

@@ -10,7 +10,7 @@ import pytest
 
 from netdist.config import DistributedConfig
 from netdist.errors import ConfigError
-from netdist.transport.local import create_local_tcp_group
+from netdist.transport.local_tcp import create_local_tcp_group
 from netdist.transport.spin import (
     DEFAULT_SPIN_US,
     SPIN_MAX_BYTES,

@@ -430,7 +430,7 @@ def test_raise_nofile_limit_never_lowers_and_stays_within_the_hard_limit():
 _RAISE_AT_START = """
 import asyncio, resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 2048))
-from netdist.transport.local import create_local_tcp_group
+from netdist.transport.local_tcp import create_local_tcp_group
 
 async def main():
     group = await create_local_tcp_group(2, timeout=30.0, connect_timeout=30.0)

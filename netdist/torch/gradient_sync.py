@@ -4,7 +4,7 @@
 
     import netdist
     from netdist.parallel.aggregators import AllReduceAggregator
-    from netdist.torch.sync import GradientSync
+    from netdist.torch.gradient_sync import GradientSync
 
     with netdist.connect() as job:
         sync = GradientSync(job, model, job.make(AllReduceAggregator, job.group),

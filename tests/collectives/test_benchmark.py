@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from netdist.collectives import Group
-from netdist.collectives.bench import (
+from netdist.collectives.benchmark import (
     BenchRow,
     busbw_factor,
     format_size,

@@ -8,21 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netdist.errors import ConfigError, ParameterServerError
+from netdist.optim import AdamConfig, SGDConfig, ShardOptimizer, optimizer_config_from_dict
+from netdist.ps.messages import FlatLayout
+from netdist.ps.placement import ParamSpec, plan_shards, specs_from_arrays
+from netdist.ps.roles import num_servers_from_env, ps_roles
+from netdist.ps.staleness import StalenessController, WorkerState
 from netdist.sharding import chunk_bounds
-from netdist.ps.state import (
-    AdamConfig,
-    FlatLayout,
-    ParamSpec,
-    SGDConfig,
-    ShardOptimizer,
-    StalenessController,
-    WorkerState,
-    num_servers_from_env,
-    optimizer_config_from_dict,
-    plan_shards,
-    ps_roles,
-    specs_from_arrays,
-)
 
 
 def specs_of(sizes: list[int], dtype: str = "float64") -> list[ParamSpec]:
@@ -197,7 +188,7 @@ def test_sharded_adam_equals_whole_tensor_adam(amsgrad: bool) -> None:
                                               weight_decay=1e-3),
                                     AdamConfig(lr=1e-2, weight_decay=1e-4)])
 def test_shard_optimizer_matches_netdist_train(config) -> None:
-    train = pytest.importorskip("netdist.train.optim")
+    train = pytest.importorskip("netdist.train.optimizers")
     nn = pytest.importorskip("netdist.train.nn")
     rng = np.random.default_rng(5)
     shapes = [(4, 3), (3,), (2, 4)]
@@ -378,7 +369,7 @@ def test_roles_and_env() -> None:
 
 
 def test_segments_send_big_slices_alone_and_pack_small_ones() -> None:
-    from netdist.ps.state import plan_segments
+    from netdist.ps.messages import plan_segments
 
     specs = [ParamSpec("a", (10,), "float64"), ParamSpec("big", (100_000,), "float64"),
              ParamSpec("b", (5,), "float64"), ParamSpec("c", (7,), "float64")]
@@ -400,7 +391,7 @@ def test_segments_send_big_slices_alone_and_pack_small_ones() -> None:
 
 
 def test_one_packer_cuts_segments_and_pieces() -> None:
-    from netdist.ps.state import Run, pack_runs
+    from netdist.ps.messages import Run, pack_runs
 
     # 8-byte items: 1000 elements reach direct_bytes=8000; small runs break on dtype
     runs = pack_runs([3, 1000, 2, 2, 5, 1001], ["float64"] * 4 + ["float32", "float64"],
@@ -420,7 +411,7 @@ def test_one_packer_cuts_segments_and_pieces() -> None:
 
 
 def test_pieces_cover_every_tensor_once_in_order() -> None:
-    from netdist.ps.state import plan_pieces
+    from netdist.ps.messages import plan_pieces
 
     arrays = [np.zeros(10), np.zeros(3, np.float32), np.zeros(4, np.float32),
               np.zeros(100_000), np.zeros(6), np.zeros(7)]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from netdist.train.nn import Parameter
-from netdist.train.optim import SGD, Adam
+from netdist.train.optimizers import SGD, Adam
 
 
 def make_params(seed: int = 0) -> list[Parameter]:

@@ -101,7 +101,7 @@ from netdist.train.data import (
 )
 from netdist.train.losses import softmax_cross_entropy
 from netdist.train.nn import Sequential, mlp
-from netdist.train.optim import SGD, Optimizer
+from netdist.train.optimizers import SGD, Optimizer
 from netdist.train.step import GradReady, distributed_train_step
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from netdist.errors import BlockingCallError
 from netdist.progress.thread import ProgressThread
-from netdist.torch.errors import to_torch_error
+from netdist.torch.error_types import to_torch_error
 
 __all__ = ["NetdistWork", "ENDED"]
 
