@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from netdist.errors import PeerLostError, TransportClosedError
-from netdist.transport.barrier import dissemination_barrier
+from netdist.transport.dissemination import dissemination_barrier
 from netdist.transport.base import Transport, as_payload_array
 from netdist.transport.host_identity import host_key
 from netdist.transport.mailbox import PeerMailbox, byte_view

@@ -72,7 +72,7 @@ from netdist.errors import (
     UndeliveredError,
 )
 from netdist.transport.admission import AdmissionControl, Release, raise_nofile_limit
-from netdist.transport.barrier import dissemination_barrier
+from netdist.transport.dissemination import dissemination_barrier
 from netdist.transport.blame import (
     Departure,
     LossOrigin,

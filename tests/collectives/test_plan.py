@@ -9,7 +9,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from netdist.transport.barrier import barrier_partners
+from netdist.transport.dissemination import barrier_partners
 from netdist.collectives.plan import (
     binomial_tree,
     bruck_allgather_plan,

@@ -136,7 +136,7 @@ async def test_two_root_groups_on_one_transport_do_not_mix() -> None:
 
 
 async def test_tags_are_above_application_space_and_distinct() -> None:
-    from netdist.transport.barrier import BARRIER_TAG
+    from netdist.transport.dissemination import BARRIER_TAG
 
     async def body(g: Group) -> None:
         sub = g.new_group([0, 1])

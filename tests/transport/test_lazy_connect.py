@@ -21,7 +21,7 @@ import pytest
 
 from netdist.config import ConnectMode
 from netdist.errors import AuthenticationError, PeerLostError
-from netdist.transport.barrier import barrier_partners
+from netdist.transport.dissemination import barrier_partners
 from netdist.transport.local_tcp import local_tcp_group
 from netdist.wire import HandshakeIdentity
 from tests.ranks import RankProcess, start_ranks

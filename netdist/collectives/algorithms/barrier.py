@@ -1,7 +1,7 @@
 """The group's barriers: the dissemination barrier (``Group.barrier``) and the
 monitored barrier through rank 0 (``Group.monitored_barrier``).
 
-The dissemination barrier is the transport's (``netdist.transport.barrier``: one round
+The dissemination barrier is the transport's (``netdist.transport.dissemination``: one round
 loop and one partner schedule for both), run on group ranks on the operation's tag and
 bounded by the group's deadline: ``ceil(log2 n)`` rounds of empty messages, no root.
 
@@ -26,7 +26,7 @@ import numpy as np
 from netdist.collectives.channel import Channel
 from netdist.collectives.algorithms.receive import EMPTY, gather_tasks
 from netdist.errors import NetdistTimeoutError, PeerLostError
-from netdist.transport.barrier import barrier_partners, dissemination_rounds
+from netdist.transport.dissemination import barrier_partners, dissemination_rounds
 
 __all__ = ["dissemination_barrier", "root_monitored_barrier", "root_monitored_limit"]
 
