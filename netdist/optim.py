@@ -44,7 +44,8 @@ from netdist.optim_kernels import (
     check_sgd_hyperparameters,
     sgd_update,
 )
-from netdist.types import bfloat16_to_float32, float32_to_bfloat16, is_bfloat16
+from netdist.bfloat16 import bfloat16_to_float32, float32_to_bfloat16
+from netdist.types import is_bfloat16
 
 __all__ = [
     "SGDConfig",

@@ -39,7 +39,8 @@ from netdist.errors import (
     TransportError,
     UndeliveredError,
 )
-from netdist.types import WIRE_DTYPES, ReduceOp, dtype_from_wire, dtype_to_wire, reduce_into
+from netdist.reduce_kernels import reduce_into
+from netdist.types import WIRE_DTYPES, ReduceOp, dtype_from_wire, dtype_to_wire
 
 # --------------------------------------------------------------------------- errors
 

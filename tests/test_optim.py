@@ -20,7 +20,8 @@ from netdist.optim import (
 from netdist.parallel.sharded_optim import ShardedAdam, ShardedSGD
 from netdist.train.nn import Parameter
 from netdist.train.optimizers import SGD, Adam
-from netdist.types import BFLOAT16, bfloat16_to_float32, float32_to_bfloat16
+from netdist.bfloat16 import bfloat16_to_float32, float32_to_bfloat16
+from netdist.types import BFLOAT16
 
 CONFIGS = [SGDConfig(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
            SGDConfig(lr=0.02, momentum=0.5, dampening=0.3),

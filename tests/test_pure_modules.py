@@ -28,6 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PURE = [
     "netdist.errors",
     "netdist.types",
+    "netdist.bfloat16",
+    "netdist.reduce_kernels",
+    "netdist.call_markers",
     "netdist.config",
     "netdist.sharding",
     "netdist.optim",

@@ -26,18 +26,15 @@ from netdist.tensors import (
     stage_out,
     to_tensor,
 )
+from netdist.bfloat16 import bfloat16_to_float32, float32_to_bfloat16
+from netdist.reduce_kernels import combine, divide_into, reduce_into
 from netdist.types import (
     BFLOAT16,
     BFLOAT16_RAW,
     ReduceOp,
-    bfloat16_to_float32,
-    combine,
-    divide_into,
     dtype_from_wire,
     dtype_to_wire,
-    float32_to_bfloat16,
     is_bfloat16,
-    reduce_into,
 )
 
 SUBPROCESS_TIMEOUT = 60.0

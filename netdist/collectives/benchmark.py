@@ -34,13 +34,8 @@ import numpy as np
 
 from netdist.collectives.group import Group
 from netdist.sharding import chunk_bounds
-from netdist.types import (
-    BFLOAT16,
-    ReduceOp,
-    bfloat16_to_float32,
-    float32_to_bfloat16,
-    is_bfloat16,
-)
+from netdist.bfloat16 import bfloat16_to_float32, float32_to_bfloat16
+from netdist.types import BFLOAT16, ReduceOp, is_bfloat16
 
 __all__ = [
     "BenchRow",

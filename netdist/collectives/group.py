@@ -73,7 +73,8 @@ from netdist.errors import (
 )
 from netdist.transport.base import Transport
 from netdist.collectives.host.settings import ShmCopy, shared_memory_copy, shared_memory_enabled
-from netdist.types import ReduceOp, eager_start
+from netdist.call_markers import eager_start
+from netdist.types import ReduceOp
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from netdist.tensors import as_array, is_tensor
-from netdist.types import bfloat16_to_float32, is_bfloat16
+from netdist.bfloat16 import bfloat16_to_float32
+from netdist.types import is_bfloat16
 
 __all__ = ["FP16_MAX", "cast_to_fp16", "Fp16Compressor", "float_input"]
 

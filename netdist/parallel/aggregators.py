@@ -68,15 +68,9 @@ from netdist.compression.fp16 import cast_to_fp16
 from netdist.compression.topk import TopKCompressor, index_dtype
 from netdist.errors import CollectiveError, CollectiveMismatchError
 from netdist.tensors import as_array, to_tensor
-from netdist.types import (
-    CARRIED_DTYPES,
-    ReduceOp,
-    cast_into,
-    float32_to_bfloat16,
-    is_bfloat16,
-    thread_safe,
-    widen_bfloat16,
-)
+from netdist.bfloat16 import cast_into, float32_to_bfloat16, widen_bfloat16
+from netdist.call_markers import thread_safe
+from netdist.types import CARRIED_DTYPES, ReduceOp, is_bfloat16
 
 if TYPE_CHECKING:  # the collectives import asyncio; keep the type-only dependency lazy
     from netdist.collectives import Group

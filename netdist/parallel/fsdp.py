@@ -158,7 +158,8 @@ from netdist.parallel.fsdp_units import ForwardCtx, Unit, build_units
 from netdist.parallel.sharded_optim import ShardedOptimizer, sharded_optimizer_from
 from netdist.parallel.tensor_kind import array_of, tensor_of
 from netdist.tensors import is_tensor
-from netdist.types import ReduceOp, scaled, widen_bfloat16
+from netdist.bfloat16 import scaled, widen_bfloat16
+from netdist.types import ReduceOp
 
 if TYPE_CHECKING:
     from netdist.collectives import Group

@@ -34,7 +34,8 @@ from netdist.errors import FSDPError
 from netdist.parallel.fsdp_stats import MemoryTracker, Timings
 from netdist.parallel.fsdp_strategy import ShardingPolicy
 from netdist.parallel.fsdp_units import ModuleView, Unit, backward_layers, forward_layers
-from netdist.types import ReduceOp, reduce_into
+from netdist.reduce_kernels import reduce_into
+from netdist.types import ReduceOp
 
 if TYPE_CHECKING:
     from netdist.collectives import Group

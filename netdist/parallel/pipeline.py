@@ -76,7 +76,8 @@ from netdist.parallel.tensor_kind import array_of, holds_tensors, tensor_of
 from netdist.sharding import chunk_bounds
 from netdist.tensors import is_tensor
 from netdist.transport.base import Transport
-from netdist.types import ReduceOp, scaled
+from netdist.bfloat16 import scaled
+from netdist.types import ReduceOp
 
 if TYPE_CHECKING:
     from netdist.collectives import Group

@@ -37,7 +37,7 @@ from types import TracebackType
 from typing import Any
 
 from netdist.collectives.work import EagerStart, Work
-from netdist.types import EAGER_ATTRIBUTE, THREAD_SAFE_ATTRIBUTE
+from netdist.call_markers import EAGER_ATTRIBUTE, THREAD_SAFE_ATTRIBUTE
 from netdist.progress.handle import Handle
 from netdist.progress.thread import ProgressThread
 

@@ -61,7 +61,8 @@ from netdist.ps.protocol import SYNC_OWNER, SyncStream, stream_tag
 from netdist.ps.messages import FlatLayout, Piece, plan_pieces
 from netdist.tensors import StagedOut, as_array, is_tensor, stage_out, to_tensor
 from netdist.transport.base import Transport
-from netdist.types import ReduceOp, combine, divide_into, dtype_from_wire, is_bfloat16
+from netdist.reduce_kernels import combine, divide_into
+from netdist.types import ReduceOp, dtype_from_wire, is_bfloat16
 
 __all__ = ["ParameterServer", "DEFAULT_CHUNK_BYTES"]
 

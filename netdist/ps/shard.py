@@ -15,7 +15,8 @@ import numpy as np
 
 from netdist.optim import OptimizerConfig, ShardOptimizer
 from netdist.ps.placement import is_floating
-from netdist.types import bfloat16_to_float32, dtype_from_wire, float32_to_bfloat16, is_bfloat16
+from netdist.bfloat16 import bfloat16_to_float32, float32_to_bfloat16
+from netdist.types import dtype_from_wire, is_bfloat16
 
 __all__ = ["master_dtype", "ServerShard"]
 

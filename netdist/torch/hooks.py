@@ -94,13 +94,8 @@ from netdist.collectives.tags import TagRange
 from netdist.ps._link import reserve_ps_tags
 from netdist.ps.protocol import SHARDED_OWNER
 from netdist.tensors import as_array
-from netdist.types import (
-    BFLOAT16,
-    bfloat16_to_float32,
-    cast_into,
-    float32_to_bfloat16,
-    widen_bfloat16,
-)
+from netdist.bfloat16 import bfloat16_to_float32, cast_into, float32_to_bfloat16, widen_bfloat16
+from netdist.types import BFLOAT16
 
 __all__ = [
     "comm_hook",

@@ -28,7 +28,8 @@ from netdist.collectives.host.lane import (
 from netdist.collectives.host.segments import SharedSegment
 from netdist.errors import CollectiveMismatchError, NetdistTimeoutError
 from netdist.transport import InProcessTransport
-from netdist.types import ReduceOp, combine
+from netdist.reduce_kernels import combine
+from netdist.types import ReduceOp
 
 from .helpers import assert_bitwise_equal, assert_survivors_failed_naming
 from tests.ranks import RankProcess, finish_ranks, run_ranks, start_ranks, start_until_blocked

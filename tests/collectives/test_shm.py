@@ -21,7 +21,8 @@ from netdist.collectives.host.segments import HEADER_BYTES, SegmentLocator, Shar
 from netdist.collectives.host.settings import ShmCopy, shared_memory_copy, shared_memory_enabled
 from netdist.errors import CollectiveMismatchError, SharedMemoryError
 from netdist.transport.host_identity import host_key
-from netdist.types import ReduceOp, combine
+from netdist.reduce_kernels import combine
+from netdist.types import ReduceOp
 
 from .helpers import RING, assert_bitwise_equal
 from tests.ranks import run_ranks
@@ -383,7 +384,7 @@ async def test_collectives_in_flight_together_take_turns_on_the_slots() -> None:
 @pytest.mark.parametrize("copy", list(ShmCopy))
 async def test_bfloat16_mean_through_shared_memory_matches_the_ordered_fold(
         copy: ShmCopy) -> None:
-    from netdist.types import bfloat16_to_float32, float32_to_bfloat16
+    from netdist.bfloat16 import bfloat16_to_float32, float32_to_bfloat16
 
     rng = np.random.default_rng(9)
     inputs = [float32_to_bfloat16(rng.standard_normal(300_001).astype(np.float32))

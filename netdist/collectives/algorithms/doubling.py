@@ -13,7 +13,8 @@ import numpy as np
 from netdist.collectives.algorithms.receive import CHECKED_BYTES, recv_like
 from netdist.collectives.channel import Channel
 from netdist.collectives.plan import DoublingPlan, recursive_doubling_plan
-from netdist.types import ReduceOp, combine
+from netdist.reduce_kernels import combine
+from netdist.types import ReduceOp
 
 __all__ = ["doubling_all_reduce"]
 

@@ -31,8 +31,9 @@ from netdist.collectives.plan import (
     ring_reduce_scatter_plan,
 )
 from netdist.collectives.routes import DEFAULT_PIPELINE_DEPTH
-from netdist.types import ReduceOp, divide_into, reduce_into
-from netdist.types import combine as combine_ordered
+from netdist.reduce_kernels import divide_into, reduce_into
+from netdist.types import ReduceOp
+from netdist.reduce_kernels import combine as combine_ordered
 
 __all__ = [
     "run_pipeline",

@@ -13,7 +13,8 @@ from netdist.collectives.algorithms.receive import CHECKED_BYTES, recv_like
 from netdist.collectives.channel import Channel
 from netdist.collectives.plan import binomial_tree
 from netdist.transport.mailbox import byte_view
-from netdist.types import ReduceOp, combine
+from netdist.reduce_kernels import combine
+from netdist.types import ReduceOp
 
 __all__ = ["tree_broadcast", "tree_broadcast_blob", "tree_reduce"]
 

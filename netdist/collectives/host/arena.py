@@ -64,7 +64,8 @@ from netdist.collectives.algorithms.bruck import bruck_all_gather_blobs
 from netdist.errors import LocalProtocolError, PeerLostError, SharedMemoryError
 from netdist.sharding import chunk_bounds
 from netdist.transport.host_identity import host_key
-from netdist.types import ReduceOp, combine, divide_into
+from netdist.reduce_kernels import combine, divide_into
+from netdist.types import ReduceOp
 
 __all__ = ["HostArena", "HostPath", "open_host_arena", "host_all_reduce", "host_broadcast",
            "DEFAULT_SLOT_BYTES", "SUB_TAGS"]

@@ -67,7 +67,8 @@ from netdist.collectives.host.turns import TurnQueue
 from netdist.collectives.routes import LANE_BYTES
 from netdist.errors import SharedMemoryError
 from netdist.transport.mailbox import byte_view
-from netdist.types import ReduceOp, combine, dtype_to_wire
+from netdist.reduce_kernels import combine
+from netdist.types import ReduceOp, dtype_to_wire
 
 __all__ = ["HostLane", "LaneRound", "LanePath", "LANE_BYTES", "SUB_LANE_WAKE", "lane_supported",
            "open_host_lane"]

@@ -22,7 +22,8 @@ from netdist.collectives.ops.context import OpContext, arena_mode
 from netdist.collectives.algorithms.ring import ring_all_reduce
 from netdist.collectives.routes import Algorithm, Operation, Turn, plan
 from netdist.collectives.algorithms.doubling import doubling_all_reduce
-from netdist.types import ReduceOp, check_reduce_dtype, divide_into
+from netdist.reduce_kernels import divide_into
+from netdist.types import ReduceOp, check_reduce_dtype
 
 __all__ = ["prepare_all_reduce", "start_eagerly"]
 

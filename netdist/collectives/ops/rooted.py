@@ -24,7 +24,8 @@ from netdist.collectives.algorithms.receive import gather_tasks
 from netdist.collectives.algorithms.trees import tree_broadcast, tree_reduce
 from netdist.sharding import chunk_bounds
 from netdist.tensors import as_arrays, is_tensor, numpy_result, stage_out, to_tensor
-from netdist.types import ReduceOp, check_reduce_dtype, divide_into
+from netdist.reduce_kernels import divide_into
+from netdist.types import ReduceOp, check_reduce_dtype
 
 __all__ = ["prepare_broadcast", "prepare_gather", "prepare_reduce", "prepare_scatter"]
 

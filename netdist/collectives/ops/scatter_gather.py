@@ -32,7 +32,8 @@ from netdist.collectives.algorithms.bruck import bruck_all_gather, bruck_all_gat
 from netdist.collectives.algorithms.doubling import doubling_all_reduce
 from netdist.sharding import chunk_bounds
 from netdist.tensors import to_tensor
-from netdist.types import ReduceOp, check_reduce_dtype, divide_into, dtype_to_wire
+from netdist.reduce_kernels import divide_into
+from netdist.types import ReduceOp, check_reduce_dtype, dtype_to_wire
 
 __all__ = ["prepare_all_gather", "prepare_reduce_scatter"]
 
