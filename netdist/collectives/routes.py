@@ -186,45 +186,49 @@ def segment_elements(itemsize: int, nbytes: int, pieces: int, segment_bytes: int
     return max(1, seg // max(1, itemsize))
 
 
+_NOTHING = Route(Turn.NONE, Algorithm.NOTHING, Algorithm.NOTHING)
+_LANE_OR_DOUBLING = Route(Turn.LANE, Algorithm.LANE, Algorithm.DOUBLING)
+_DOUBLING = Route(Turn.NONE, Algorithm.DOUBLING, Algorithm.DOUBLING)
+_BRUCK = Route(Turn.NONE, Algorithm.BRUCK, Algorithm.BRUCK)
+_TREE = Route(Turn.NONE, Algorithm.TREE, Algorithm.TREE)
+_GATHER_IN_TURN = Route(Turn.HOST, Algorithm.ARENA, Algorithm.RING, 0, _SINGLE_HOST)
+# the routes without a segment are shared values: a small call allocates nothing to plan
+
+
 def plan(op: Operation, nbytes: int, itemsize: int, world_size: int, tuning: Tuning) -> Route:
     """The route of ``op`` over ``nbytes`` (elements of ``itemsize`` bytes) among
     ``world_size`` ranks; ``nbytes`` is ``UNKNOWN_SIZE`` for an ``all_gather`` whose size
     the shape exchange will tell. Depends only on what every rank knows alike."""
     n = world_size
-    small = tuning.small_message_bytes
     if n < 2 or nbytes == 0:
-        return Route(Turn.NONE, Algorithm.NOTHING, Algorithm.NOTHING)
-    large = nbytes == UNKNOWN_SIZE or nbytes > small
+        return _NOTHING
+    large = nbytes == UNKNOWN_SIZE or nbytes > tuning.small_message_bytes
     if op is Operation.ALL_REDUCE:
         if large:
             return Route(Turn.HOST, Algorithm.ARENA, Algorithm.RING,
                          segment_elements(itemsize, nbytes // n, PIECES, tuning.segment_bytes),
                          _ANY_ARENA)
-        if nbytes <= LANE_BYTES:
-            return Route(Turn.LANE, Algorithm.LANE, Algorithm.DOUBLING)
-        return Route(Turn.NONE, Algorithm.DOUBLING, Algorithm.DOUBLING)
+        return _LANE_OR_DOUBLING if nbytes <= LANE_BYTES else _DOUBLING
     if op is Operation.REDUCE_SCATTER:
         if large:
             return Route(Turn.HOST, Algorithm.ARENA, Algorithm.RING,
                          segment_elements(itemsize, nbytes // n, PIECES, tuning.segment_bytes),
                          _SINGLE_HOST)
-        return Route(Turn.NONE, Algorithm.DOUBLING, Algorithm.DOUBLING)
+        return _DOUBLING
     if op is Operation.ALL_GATHER:
         # the arena can carry it only when it is large; which algorithm runs is told
         # once the size is known (``all_gather_algorithm``)
-        if large:
-            return Route(Turn.HOST, Algorithm.ARENA, Algorithm.RING, 0, _SINGLE_HOST)
-        return Route(Turn.NONE, Algorithm.BRUCK, Algorithm.BRUCK)
+        return _GATHER_IN_TURN if large else _BRUCK
     if op is Operation.BROADCAST:
         if not large:
-            return Route(Turn.NONE, Algorithm.TREE, Algorithm.TREE)
+            return _TREE
         # a chain of two has nothing to overlap: one message is cheapest
         segment = (nbytes // max(1, itemsize) if n == 2 else
                    segment_elements(itemsize, nbytes, 2 * PIECES, tuning.segment_bytes))
         return Route(Turn.HOST, Algorithm.ARENA, Algorithm.CHAIN, segment, _ANY_ARENA)
     if op is Operation.REDUCE:
         if not large:
-            return Route(Turn.NONE, Algorithm.TREE, Algorithm.TREE)
+            return _TREE
         return Route(Turn.NONE, Algorithm.RING, Algorithm.RING,
                      segment_elements(itemsize, nbytes // n, PIECES, tuning.segment_bytes))
     raise ValueError(f"no route for {op!r}")
