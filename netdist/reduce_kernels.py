@@ -4,6 +4,12 @@
 order, so every rank gets equal bits); ``divide_into`` is ``MEAN``'s final division.
 bfloat16 goes through float32 and one rounding per step (``netdist.bfloat16``), block by
 block so the float32 temporaries stay in cache; inf and NaN pass silently, as in torch.
+
+``MEAN`` on integers is NCCL's ``ncclAvg``: the sum in the element type (wrapping around
+on overflow, as ``SUM`` does), then one division by the group size in that type with C's
+semantics: the quotient truncated toward zero for signed types (-7 / 2 = -3, where
+NumPy's ``//`` would floor to -4), plain division for unsigned ones. Integer addition is
+associative even when it wraps, so every route (and every rank) gets the same bits.
 """
 
 from __future__ import annotations
@@ -88,7 +94,11 @@ def combine(op: ReduceOp, low: np.ndarray, high: np.ndarray, out: np.ndarray) ->
 
 def divide_into(array: np.ndarray, divisor: int) -> None:
     """``array /= divisor`` in place (``MEAN``'s final step); bfloat16 through float32
-    and one rounding, as torch divides a bfloat16 tensor by a number."""
+    and one rounding, as torch divides a bfloat16 tensor by a number; integers as C
+    divides them (truncated toward zero, ``_divide_integers``), as NCCL's average does."""
+    if array.dtype.kind in "iu":
+        _divide_integers(array, divisor)
+        return
     if array.dtype.kind == "V":
         if not array.flags.c_contiguous:  # flattening would copy: work on a copy
             work = np.ascontiguousarray(array)
@@ -105,3 +115,32 @@ def divide_into(array: np.ndarray, divisor: int) -> None:
                 float32_to_bfloat16(w, out=flat[start:stop])
         return
     np.divide(array, divisor, out=array)
+
+
+def _divide_integers(array: np.ndarray, divisor: int) -> None:
+    """``array = trunc(array / divisor)`` in place, exactly, in the array's own type.
+
+    NumPy's ``//`` floors, so for a signed type the floored quotient is raised by one
+    where the division left a remainder and the quotient is negative (the quotient is
+    negative exactly where the dividend is). Neither step can overflow, not even for the
+    type's most negative value (``divisor`` is at least 1). A divisor the type cannot
+    hold (an int8 mean over 200 ranks) divides in int64: the quotient's magnitude is
+    then at most 1, so it fits back.
+    """
+    if divisor < 1:
+        raise ValueError(f"divide_into: divisor {divisor} must be at least 1")
+    if divisor == 1:
+        return
+    if divisor > np.iinfo(array.dtype).max:
+        wide = array.astype(np.int64)
+        _divide_integers(wide, divisor)
+        array[...] = wide
+        return
+    d = array.dtype.type(divisor)
+    if array.dtype.kind == "u":
+        np.floor_divide(array, d, out=array)
+        return
+    inexact = np.remainder(array, d) != 0
+    np.floor_divide(array, d, out=array)
+    inexact &= array < 0
+    np.add(array, array.dtype.type(1), out=array, where=inexact)

@@ -60,17 +60,23 @@ class ReduceOp(enum.Enum):
 _BITWISE_OPS = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 
-def check_reduce_dtype(op: ReduceOp, dtype: np.dtype[Any], what: str) -> None:
+def check_reduce_dtype(op: ReduceOp, dtype: np.dtype[Any], what: str,
+                       name: str | None = None) -> None:
     """Raise ``TypeError`` when ``op`` is undefined for ``dtype``.
 
-    MEAN needs a floating dtype (an integer mean would silently truncate); the bitwise
-    ops need an integer or bool dtype.
+    MEAN needs a number: floating (bfloat16 included) or integer, where it is NCCL's
+    average (the wrapped sum divided with truncation toward zero, see
+    ``netdist.reduce_kernels``); bool has no mean (nor has NCCL). The bitwise ops need
+    an integer or bool dtype. ``name`` is the op as the caller spelled it, for the
+    message (torch's ``AVG`` for ``MEAN``); ``op.name`` by default.
     """
-    if op is ReduceOp.MEAN and dtype.kind != "f" and not is_bfloat16(dtype):
-        raise TypeError(f"{what} MEAN needs a floating dtype, got {dtype.name} "
-                        "(reduce with SUM and divide as you see fit)")
+    said = op.name if name is None else name
+    if op is ReduceOp.MEAN and dtype.kind not in "iuf" and not is_bfloat16(dtype):
+        raise TypeError(f"{what} {said} needs a floating or integer dtype, got {dtype.name} "
+                        "(a mean of booleans is undefined: reduce them as integers, "
+                        "or with BOR/BAND)")
     if op in _BITWISE_OPS and dtype.kind not in "iub":
-        raise TypeError(f"{what} {op.name} needs an integer or bool dtype, got {dtype.name}")
+        raise TypeError(f"{what} {said} needs an integer or bool dtype, got {dtype.name}")
 
 
 def _bfloat16() -> np.dtype[Any] | None:

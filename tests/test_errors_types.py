@@ -39,8 +39,14 @@ from netdist.errors import (
     TransportError,
     UndeliveredError,
 )
-from netdist.reduce_kernels import reduce_into
-from netdist.types import WIRE_DTYPES, ReduceOp, dtype_from_wire, dtype_to_wire
+from netdist.reduce_kernels import divide_into, reduce_into
+from netdist.types import (
+    WIRE_DTYPES,
+    ReduceOp,
+    check_reduce_dtype,
+    dtype_from_wire,
+    dtype_to_wire,
+)
 
 # --------------------------------------------------------------------------- errors
 
@@ -232,6 +238,58 @@ def test_reduce_into_multidimensional_in_place() -> None:
     view = acc[:]
     reduce_into(ReduceOp.MAX, acc, np.full((2, 3), 2.5, dtype=np.float32))
     np.testing.assert_array_equal(view, [[2.5, 2.5, 2.5], [3, 4, 5]])
+
+
+INTEGER_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+
+
+def _c_quotient(x: int, n: int) -> int:
+    """C's integer division (truncation toward zero), in Python's unbounded integers."""
+    return -(-x // n) if x < 0 else x // n
+
+
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES)
+@pytest.mark.parametrize("divisor", [1, 2, 3, 7, 127, 128, 200, 255, 256, 1000])
+def test_divide_into_integers_truncates_toward_zero(dtype: str, divisor: int) -> None:
+    """MEAN's division on integers is C's (NCCL's ncclAvg): -7 / 2 = -3 where NumPy's
+    ``//`` floors to -4; the most negative value divides without overflow; a divisor the
+    type cannot hold (int8 over 200 ranks) still gives the exact quotient."""
+    info = np.iinfo(dtype)
+    values = sorted({v for v in (info.min, info.min + 1, -7, -6, -1, 0, 1, 6, 7,
+                                 info.max - 1, info.max) if info.min <= v <= info.max})
+    array = np.array(values, dtype)
+    divide_into(array, divisor)
+    assert array.dtype == np.dtype(dtype)
+    assert array.tolist() == [_c_quotient(v, divisor) for v in values]
+
+
+def test_divide_into_integers_in_place_through_a_strided_view() -> None:
+    base = np.arange(-12, 12, dtype=np.int16)
+    divide_into(base[::5], 4)  # -12, -7, -2, 3, 8 -> -3, -1, 0, 0, 2
+    assert base[::5].tolist() == [-3, -1, 0, 0, 2]
+    untouched = np.delete(np.arange(-12, 12), np.arange(0, 24, 5))
+    assert np.delete(base, np.arange(0, 24, 5)).tolist() == untouched.tolist()
+
+
+def test_divide_into_floats_is_one_true_division() -> None:
+    array = np.array([-7.0, 1.0, 3.0], np.float32)
+    divide_into(array, 2)
+    assert array.tolist() == [-3.5, 0.5, 1.5]
+
+
+def test_check_reduce_dtype_mean_takes_numbers_and_refuses_bool() -> None:
+    for name in [*INTEGER_DTYPES, "float16", "float32", "float64"]:
+        check_reduce_dtype(ReduceOp.MEAN, np.dtype(name), "all_reduce")
+    with pytest.raises(TypeError, match=r"^all_reduce MEAN needs a floating or integer "
+                                        r"dtype, got bool"):
+        check_reduce_dtype(ReduceOp.MEAN, np.dtype(bool), "all_reduce")
+    # the caller's own name for the op (torch's AVG) is the one the message says
+    with pytest.raises(TypeError, match=r"^allreduce AVG needs a floating or integer "
+                                        r"dtype, got bool"):
+        check_reduce_dtype(ReduceOp.MEAN, np.dtype(bool), "allreduce", name="AVG")
+    with pytest.raises(TypeError, match=r"^reduce BXOR needs an integer or bool dtype, "
+                                        r"got float32"):
+        check_reduce_dtype(ReduceOp.BXOR, np.dtype("float32"), "reduce")
 
 
 def test_reduce_op_values() -> None:

@@ -9,8 +9,11 @@ up across ranks (torch's rule: every rank issues the same calls in the same orde
 Semantics follow Gloo's on CPU (torch's reference for this device):
 
 - reductions: SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR (integers and bool), and AVG, which
-  Gloo lacks (floating dtypes; netdist's MEAN: sum, then one division). Results are bitwise
-  identical on every rank. PREMUL_SUM is NCCL's and is refused;
+  Gloo lacks (netdist's MEAN: sum, then one division; on integer dtypes NCCL's average,
+  the wrapped sum divided with truncation toward zero; bool is refused, as by NCCL).
+  Results are bitwise identical on every rank. PREMUL_SUM is NCCL's and is refused. A
+  dtype an op is undefined for raises ``TypeError`` on the caller's thread, naming the op
+  as torch does (``AVG``, not netdist's ``MEAN``);
 - data movement (broadcast, gathers, scatters, all-to-all, send/recv) moves the tensors'
   bytes, so every dtype moves (bfloat16, float16, complex, bool, all integer types);
 - ``barrier`` first waits for this group's earlier operations, as Gloo's does;
@@ -43,7 +46,7 @@ from netdist.progress.job import Job
 from netdist.torch.array_views import Staged, ViewCache, as_array, as_bytes, check_cpu, stage
 from netdist.torch.error_types import to_torch_error
 from netdist.torch.work_handle import ENDED, NetdistWork
-from netdist.types import ReduceOp
+from netdist.types import ReduceOp, check_reduce_dtype
 
 __all__ = ["ProcessGroupNetdist", "BACKEND_NAME", "USER_TAG_LIMIT"]
 
@@ -64,15 +67,21 @@ _REDUCE_OPS: dict[Any, ReduceOp] = {
 }
 
 
-def reduce_op(opts: Any, what: str) -> ReduceOp:
-    """netdist's ``ReduceOp`` for the torch options' ``reduceOp``."""
+def reduce_op(opts: Any, what: str, *arrays: np.ndarray) -> ReduceOp:
+    """netdist's ``ReduceOp`` for the torch options' ``reduceOp``, checked against the
+    dtype of each of ``arrays`` here, on the caller's thread: an op undefined for the
+    dtype (AVG of bool, BAND of floats) raises ``TypeError`` naming torch's call and
+    torch's op (``allreduce AVG``), not netdist's names for them."""
     red = opts.reduceOp
     kind = getattr(red, "op", red)
     try:
-        return _REDUCE_OPS[kind]
+        op = _REDUCE_OPS[kind]
     except KeyError:
         raise ValueError(f"{what}: the netdist backend does not support {kind} "
                          "(PREMUL_SUM is NCCL's)") from None
+    for array in arrays:
+        check_reduce_dtype(op, array.dtype, what, name=kind.name)
+    return op
 
 
 def _one(tensors: Sequence[Any], what: str) -> Any:
@@ -248,8 +257,8 @@ class ProcessGroupNetdist(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> NetdistWork:
         opts = opts if opts is not None else c10d.AllreduceOptions()
         tensor = _one(tensors, "allreduce")
-        op = reduce_op(opts, "allreduce")
         array, staged = self._reduce_view(tensor, "allreduce")
+        op = reduce_op(opts, "allreduce", array)
         group, timeout = self._group, self._timeout(opts)
         if not opts.asyncOp and not self._pending and not staged:
             # a small blocking all-reduce may finish on this thread through shared memory
@@ -270,7 +279,6 @@ class ProcessGroupNetdist(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors: list[torch.Tensor],
                             opts: Any = None) -> NetdistWork:
         opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
-        op = reduce_op(opts, "allreduce_coalesced")
         for t in tensors:
             check_cpu(t, "allreduce_coalesced")
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -278,6 +286,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             by_dtype.setdefault(t.dtype, []).append(t)
         flats = [torch.cat([t.detach().reshape(-1) for t in ts]) for ts in by_dtype.values()]
         arrays = [as_array(f, "allreduce_coalesced") for f in flats]
+        op = reduce_op(opts, "allreduce_coalesced", *arrays)
         group, timeout = self._group, self._timeout(opts)
 
         async def body() -> None:
@@ -297,9 +306,9 @@ class ProcessGroupNetdist(dist.ProcessGroup):
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> NetdistWork:
         opts = opts if opts is not None else c10d.ReduceOptions()
         tensor = _one(tensors, "reduce")
-        op = reduce_op(opts, "reduce")
         staged = stage(tensor, "reduce")
         array = as_array(staged.work, "reduce")
+        op = reduce_op(opts, "reduce", array)
         root, group, timeout = opts.rootRank, self._group, self._timeout(opts)
 
         return self._start("reduce", group.reduce(array, root, op, timeout=timeout), [tensor],
@@ -314,7 +323,6 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         n = self.size()
         if len(inputs) != n:
             raise ValueError(f"reduce_scatter needs {n} input tensors, got {len(inputs)}")
-        op = reduce_op(opts, "reduce_scatter")
         for t in inputs:
             check_cpu(t, "reduce_scatter")
         staged = stage(out, "reduce_scatter")
@@ -325,6 +333,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             raise ValueError(f"reduce_scatter: the output has {out.numel()} elements but "
                              f"input {me} has {sizes[me]}")
         array, target = as_array(flat, "reduce_scatter"), as_array(staged.work, "reduce_scatter")
+        op = reduce_op(opts, "reduce_scatter", array)
         group, timeout = self._group, self._timeout(opts)
         even = len(set(sizes)) == 1
 
@@ -355,7 +364,6 @@ class ProcessGroupNetdist(dist.ProcessGroup):
     def _reduce_scatter_tensors(self, what: str, outputs: list[torch.Tensor],
                                 inputs: list[torch.Tensor], opts: Any) -> NetdistWork:
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
-        op = reduce_op(opts, what)
         n = self.size()
         if len(outputs) != len(inputs):
             raise ValueError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
@@ -371,6 +379,7 @@ class ProcessGroupNetdist(dist.ProcessGroup):
             staged.append(s)
             src = inp if inp.is_contiguous() else inp.contiguous()
             pairs.append((as_array(src, what).reshape(-1), as_array(s.work, what).reshape(-1)))
+        op = reduce_op(opts, what, *(a for a, _ in pairs))
         group, timeout = self._group, self._timeout(opts)
 
         async def body() -> None:

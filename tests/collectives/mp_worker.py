@@ -2,9 +2,9 @@
 
 Modes (first argument):
 
-- ``check``: all_reduce (both algorithms), reduce_scatter, all_gather (uneven),
-  broadcast and an object all-gather, each compared exactly with its closed form; prints
-  ``OK rank R`` and exits 0, or prints ``MISMATCH ...`` and exits 1.
+- ``check``: all_reduce (both algorithms; MEAN of floats and of int8), reduce_scatter,
+  all_gather (uneven), broadcast and an object all-gather, each compared exactly with its
+  closed form; prints ``OK rank R`` and exits 0, or prints ``MISMATCH ...`` and exits 1.
 - ``kill VICTIM``: a large ring all_reduce; rank VICTIM SIGKILLs itself after sending a
   few segments. Survivors print ``ERROR <type>: <message>`` and exit 3 (or exit 0 with
   ``UNEXPECTED success``).
@@ -59,6 +59,15 @@ async def check() -> None:
                 await g.all_reduce(mean, ReduceOp.MEAN)
                 if not np.array_equal(mean, np.full(100_003, (n + 1) / 2)):
                     _fail(f"all_reduce MEAN threshold={threshold}")
+                # integers: NCCL's average, the int8 sum wrapped, divided toward zero
+                ints = [((np.arange(100_003) * 7 + 31 * k) % 256 - 128).astype(np.int8)
+                        for k in range(n)]
+                wrapped = (sum(i.astype(np.int64) for i in ints) + 128) % 256 - 128
+                truncated = np.where(wrapped < 0, -(-wrapped // n), wrapped // n)
+                average = ints[r].copy()
+                await g.all_reduce(average, ReduceOp.MEAN)
+                if average.dtype != np.int8 or not np.array_equal(average, truncated):
+                    _fail(f"all_reduce MEAN int8 threshold={threshold}")
                 flt = np.full(70_000, 0.25 * (r + 1), np.float32)
                 await g.all_reduce(flt, ReduceOp.MAX)
                 if not np.array_equal(flt, np.full(70_000, 0.25 * n, np.float32)):

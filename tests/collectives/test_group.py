@@ -170,15 +170,27 @@ async def test_all_reduce_bool_prod_min_are_logical_and() -> None:
             np.testing.assert_array_equal(arr, np.logical_and.reduce(data))
 
 
-async def test_all_reduce_mean_rejects_integers_and_bool() -> None:
-    async def body(g: Group) -> None:
-        for dtype in ("int32", "uint8", "bool"):
-            with pytest.raises(TypeError, match="MEAN needs a floating dtype"):
-                await g.all_reduce(np.zeros(3, dtype), ReduceOp.MEAN)
+async def test_all_reduce_mean_of_integers_truncates_and_refuses_bool() -> None:
+    """MEAN on integers is NCCL's average: the wrapped sum, divided toward zero (issue 27;
+    it used to raise TypeError). bool has no mean."""
+    async def body(g: Group) -> dict[str, np.ndarray]:
+        out = {}
+        for dtype in ("int32", "uint8"):
+            array = np.array([3, 4, 250, -4, -3 - g.rank]).astype(dtype)
+            out[dtype] = await g.all_reduce(array, ReduceOp.MEAN)
+        with pytest.raises(TypeError, match="MEAN needs a floating or integer dtype, got bool"):
+            await g.all_reduce(np.zeros(3, "bool"), ReduceOp.MEAN)
         with pytest.raises(ValueError, match="unknown reduce op"):
             await g.all_reduce(np.zeros(3), "median")
+        return out
 
-    await run_ranks(2, body)
+    for result in await run_ranks(2, body):
+        # int32: 6/2, 8/2, 500/2, -8/2, -7/2 -> -3 (truncated, not floored to -4)
+        assert result["int32"].dtype == np.int32
+        assert result["int32"].tolist() == [3, 4, 250, -4, -3]
+        # uint8: -4 is 252, 252 + 252 wraps to 248; -3, -4 are 253, 252: 505 wraps to 249
+        assert result["uint8"].dtype == np.uint8
+        assert result["uint8"].tolist() == [3, 4, (500 % 256) // 2, 124, 124]
 
 
 async def test_all_reduce_non_contiguous_in_place() -> None:

@@ -36,8 +36,8 @@ def _supported(op: str, dtype: torch.dtype, backend: str) -> bool:
     bitwise = op in ("BAND", "BOR", "BXOR")
     if bitwise and (dtype.is_floating_point or dtype.is_complex):
         return False
-    if op == "AVG" and (backend == "gloo" or not dtype.is_floating_point):
-        return False
+    if op == "AVG" and (backend == "gloo" or dtype is torch.bool):
+        return False  # netdist averages integers as NCCL does; bool has no average
     if dtype.is_complex and op not in ("SUM", "AVG"):
         return False
     if dtype is torch.bool and op in ("PRODUCT", "SUM", "BXOR", "AVG"):
@@ -167,6 +167,8 @@ def main() -> None:
         result = ddp_failure(rank, out_dir)
     elif scenario == "small":
         result = small(rank)
+    elif scenario == "int_avg":
+        result = int_avg(rank, world, backend)
     with open(os.path.join(out_dir, f"{scenario}-{backend}-{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -270,6 +272,69 @@ def failure(scenario: str, rank: int, out_dir: str) -> dict[str, Any]:
             json.dump(result, f)
         os._exit(0)  # the job is broken: leave without the group's goodbye
     return result
+
+
+INT_AVG_DTYPES = [torch.int8, torch.uint8, torch.int32, torch.int64]
+
+
+def int_avg_data(dtype: torch.dtype, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s integers: the type's minimum, its maximum and (rank 0 only) -7
+    in the first three places (7 for uint8), then full-range random values."""
+    import numpy as np
+
+    info = torch.iinfo(dtype)
+    rng = np.random.default_rng([rank, info.bits])
+    t = torch.from_numpy(rng.integers(info.min, info.max, size, endpoint=True,
+                                      dtype=str(dtype).removeprefix("torch.")))
+    third = 7 if info.min == 0 else (-7 if rank == 0 else 0)
+    t[:3] = torch.tensor([info.min, info.max, third], dtype=torch.int64).to(dtype)
+    return t
+
+
+def int_avg(rank: int, world: int, backend: str) -> dict[str, Any]:
+    """AVG of integer tensors (issue 27). netdist: ``ReduceOp.AVG`` itself, blocking
+    (small sizes through the shared-memory lane, most on the calling thread), async, and
+    large (the host arena), for all_reduce, reduce and reduce_scatter_tensor. Gloo, which
+    has no AVG: SUM, then torch's own truncating division, ``torch.div(rounding_mode=
+    "trunc")``, the reference the test compares netdist's bits with. netdist only: AVG of
+    bool raises TypeError at the call, naming torch's op."""
+    avg = dist.ReduceOp.AVG if backend == "netdist" else dist.ReduceOp.SUM
+
+    def divided(t: torch.Tensor) -> list[Any]:
+        if backend == "gloo":
+            t = torch.div(t, world, rounding_mode="trunc")
+        return t.tolist()
+
+    out: dict[str, Any] = {}
+    for dtype in INT_AVG_DTYPES:
+        name = str(dtype).removeprefix("torch.")
+        for size in (5, 3000, 300_000):
+            t = int_avg_data(dtype, rank, size)
+            dist.all_reduce(t, op=avg)
+            out[f"all_reduce/{size}/{name}"] = divided(t)
+        t = int_avg_data(dtype, rank, 3000)
+        dist.all_reduce(t, op=avg, async_op=True).wait()
+        out[f"all_reduce_async/{name}"] = divided(t)
+        t = int_avg_data(dtype, rank, 3000)
+        dist.reduce(t, dst=0, op=avg)
+        if rank == 0:
+            out[f"reduce/{name}"] = divided(t)
+        whole = int_avg_data(dtype, rank, 10 * world)
+        mine = torch.zeros(10, dtype=dtype)
+        dist.reduce_scatter_tensor(mine, whole, op=avg)
+        out[f"reduce_scatter_tensor/{name}"] = divided(mine)
+    if backend == "netdist":
+        for what, call in (("all_reduce", lambda t: dist.all_reduce(t, op=avg)),
+                           ("all_reduce_async", lambda t: dist.all_reduce(t, op=avg,
+                                                                          async_op=True)),
+                           ("reduce", lambda t: dist.reduce(t, dst=0, op=avg))):
+            try:
+                call(torch.ones(3, dtype=torch.bool))
+                out[f"bool/{what}"] = {"raised": None}
+            except Exception as exc:  # noqa: BLE001 - the test checks type and message
+                out[f"bool/{what}"] = {"raised": type(exc).__name__, "message": str(exc)}
+    dist.barrier()
+    return out
 
 
 if __name__ == "__main__":

@@ -66,10 +66,21 @@ def test_every_op_and_dtype_matches_gloo(tmp_path: Path, world: int) -> None:
                 continue  # netdist does more than Gloo here
             assert ours[rank][key] == value, f"rank {rank} {key}: netdist {ours[rank][key]} != gloo {value}"
         n = world
+        integers = ("int8", "uint8", "int16", "int32", "int64")
+        averaged = 0
         for key, value in ours[rank].items():
             if key.startswith("all_reduce/AVG/"):
                 expected_sum = [sum(r + 1 for r in range(n)), 2 * n, sum(r % 2 for r in range(n)), 3 * n]
-                assert value == pytest.approx([v / n for v in expected_sum], rel=1e-2), key
+                if key.endswith(integers):  # NCCL's integer average: truncated
+                    assert value == [v // n for v in expected_sum], key
+                elif key.endswith("complex64"):  # (real, imaginary) pairs
+                    assert [im for _, im in value] == [0.0] * 4, key
+                    assert [re for re, _ in value] == pytest.approx(
+                        [v / n for v in expected_sum], rel=1e-6), key
+                else:
+                    assert value == pytest.approx([v / n for v in expected_sum], rel=1e-2), key
+                averaged += 1
+        assert averaged == 10  # float16/32/64, bfloat16, complex64, int8/16/32/64, uint8
         assert ours[rank]["all_reduce/SUM/complex64"] == [[float(x), 0.0] for x in
                                                           (sum(r + 1 for r in range(n)), 2 * n,
                                                            sum(r % 2 for r in range(n)), 3 * n)]
@@ -93,6 +104,40 @@ def test_small_blocking_all_reduces_through_the_lane_are_exact(tmp_path: Path,
         mismatch = report["mismatch"]
         assert "DistBackendError" in mismatch["mro"], mismatch
         assert "all_reduce" in mismatch["message"] and "group rank" in mismatch["message"]
+
+
+def test_avg_of_integers_is_gloos_sum_divided_toward_zero(tmp_path: Path) -> None:
+    """``dist.all_reduce(int_tensor, op=ReduceOp.AVG)`` on netdist gives NCCL's integer
+    average: bit for bit Gloo's SUM followed by torch's truncating division, for int8,
+    uint8, int32 and int64 with sums that wrap and negative sums that leave a remainder,
+    blocking (small ones through the shared-memory lane), async, large (the host arena), and
+    through reduce and reduce_scatter_tensor. AVG of bool raises TypeError at the call,
+    saying AVG (the torch user's op), not netdist's MEAN."""
+    world = 2
+    for backend in ("gloo", "netdist"):
+        results = run_scenario("int_avg", backend, world, tmp_path)
+        assert [r.returncode for r in results] == [0] * world, \
+            "\n".join(r.stderr[-3000:] for r in results)
+    gloo = _load(tmp_path, "int_avg", "gloo", world)
+    ours = _load(tmp_path, "int_avg", "netdist", world)
+    for rank in range(world):
+        errors = {k: ours[rank].pop(k) for k in list(ours[rank]) if k.startswith("bool/")}
+        assert ours[rank] == gloo[rank], f"rank {rank}: netdist's AVG differs from Gloo's"
+        assert len(ours[rank]) == 4 * (6 if rank == 0 else 5)
+        for key, value in ours[rank].items():
+            if key.startswith("reduce_scatter") and rank > 0:
+                continue  # rank 1's shard starts at element 10
+            # min + min wraps to 0, max + max to -2 (-1 after the division), -7 / 2 -> -3
+            first = {"int8": [0, -1, -3], "int32": [0, -1, -3], "int64": [0, -1, -3],
+                     "uint8": [0, 127, 7]}[key.rsplit("/", 1)[1]]
+            assert value[:3] == first, key
+        assert set(errors) == {"bool/all_reduce", "bool/all_reduce_async", "bool/reduce"}
+        for what, error in errors.items():
+            assert error["raised"] == "TypeError", (what, error)
+            assert "AVG needs a floating or integer dtype, got bool" in error["message"], error
+            assert "MEAN" not in error["message"], error
+        assert errors["bool/all_reduce"]["message"].startswith("allreduce AVG"), errors
+        assert errors["bool/reduce"]["message"].startswith("reduce AVG"), errors
 
 
 def test_a_lost_peer_is_a_dist_network_error_naming_it(tmp_path: Path) -> None:

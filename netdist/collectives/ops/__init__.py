@@ -17,11 +17,13 @@ deadline, now or as a ``Work``. ``Group`` itself holds no algorithm and no route
 argument checks every family shares.
 
 Reduction semantics. ``SUM``/``PROD`` wrap around on integer overflow (NumPy semantics).
-``MEAN`` sums, then divides once by the group size; it is defined for floating dtypes only
-(``float16/32/64``, ``bfloat16``) and raises ``TypeError`` for integers and bool, since an
-integer mean would silently truncate. ``BAND``/``BOR``/``BXOR`` are bitwise and defined
-for integers and bool only. For ``bool``: ``SUM`` and ``MAX`` are logical or, ``PROD`` and
-``MIN`` logical and.
+``MEAN`` sums, then divides once by the group size. On integer dtypes it is NCCL's
+average (what torch's ``ReduceOp.AVG`` gives on NCCL): the sum wraps in the element type
+as ``SUM`` does, and the one division is C's, truncating toward zero for signed types
+(-7 / 2 is -3) and plain for unsigned ones (``reduce_kernels.divide_into``), the same bits
+on every route. ``MEAN`` of ``bool`` raises ``TypeError`` (NCCL has none either).
+``BAND``/``BOR``/``BXOR`` are bitwise and defined for integers and bool only. For
+``bool``: ``SUM`` and ``MAX`` are logical or, ``PROD`` and ``MIN`` logical and.
 
 Torch tensors. Every collective that takes NumPy arrays also takes CPU tensors
 (``netdist.tensors``): a contiguous tensor is used through a NumPy view of its own memory,
