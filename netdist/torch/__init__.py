@@ -59,10 +59,12 @@ def create_process_group(options: Any, backend_options: Any = None) -> ProcessGr
         parent = world.netdist_group
         group = world.job.progress.call(
             lambda: parent.new_group(ranks, name=str(options.group_id)))
-        return ProcessGroupNetdist(world.job, group, timeout=timeout, owns_job=False)
-    job = join_from_store(options.store, options.group_rank, options.group_size, timeout,
-                          str(options.group_id))
-    return ProcessGroupNetdist(job, unwrap(job.group), timeout=timeout, owns_job=True)
+        return ProcessGroupNetdist(world.job, group, timeout=timeout, owns_job=False,
+                                   store_record=world.store_record)
+    job, record = join_from_store(options.store, options.group_rank, options.group_size,
+                                  timeout, str(options.group_id))
+    return ProcessGroupNetdist(job, unwrap(job.group), timeout=timeout, owns_job=True,
+                               store_record=record)
 
 
 def register() -> None:

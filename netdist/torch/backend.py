@@ -45,6 +45,7 @@ from netdist.errors import CollectiveMismatchError
 from netdist.progress.job import Job
 from netdist.torch.array_views import Staged, ViewCache, as_array, as_bytes, check_cpu, stage
 from netdist.torch.error_types import to_torch_error
+from netdist.torch.store_keys import CoordinatorRecord
 from netdist.torch.work_handle import ENDED, NetdistWork
 from netdist.types import ReduceOp, check_reduce_dtype
 
@@ -128,9 +129,11 @@ class ProcessGroupNetdist(dist.ProcessGroup):
     (``netdist.torch.register``); not constructed directly.
     """
 
-    def __init__(self, job: Job, group: Group, *, timeout: timedelta, owns_job: bool) -> None:
+    def __init__(self, job: Job, group: Group, *, timeout: timedelta, owns_job: bool,
+                 store_record: CoordinatorRecord | None = None) -> None:
         super().__init__(group.rank, group.world_size)
         self._job = job
+        self._store_record = store_record
         self._progress = job.progress
         self._group = group
         self._seconds = timeout.total_seconds()
@@ -146,6 +149,13 @@ class ProcessGroupNetdist(dist.ProcessGroup):
     def job(self) -> Job:
         """The netdist ``Job`` (transport and progress thread) this group runs on."""
         return self._job
+
+    @property
+    def store_record(self) -> CoordinatorRecord | None:
+        """Where this group's job met: the coordinator record rank 0 published in torch's
+        store for this attempt (``.as_dict()``: address, torchrun run id and restart
+        count, generation, nonce). A subgroup shares its default group's."""
+        return self._store_record
 
     @property
     def netdist_group(self) -> Group:
