@@ -1,4 +1,17 @@
-"""``ProcessGroupNetdist``: torch's ``ProcessGroup`` API over netdist's ``Group``.
+"""torch's collective API over netdist's ``Group``, as a whole group or as a CPU backend.
+
+netdist enters a torch process group in one of two ways (``netdist.torch.create_process_group``
+picks by the backend string):
+
+- ``ProcessGroupNetdist``, a ``ProcessGroup``: the whole group, when netdist is its only
+  backend (``"netdist"``, ``"cpu:netdist"``). torch calls its Python methods directly and
+  hands back its ``NetdistWork`` handles themselves.
+- ``NetdistBackend`` (``netdist.torch.device_backend``), a per-device ``Backend`` like
+  torch's own ``ProcessGroupGloo``: the CPU backend of a group that also has another
+  device's backend (``"cpu:netdist,cuda:nccl"``). torch builds that ``ProcessGroup`` and
+  dispatches each call by its tensors' device: CPU tensors here, CUDA tensors to NCCL.
+
+Both run the calls of ``NetdistOps``, defined once here.
 
 Each call checks its tensors on the caller's thread, starts exactly one coroutine on the
 job's progress thread and returns a ``NetdistWork`` at once. The coroutine issues its
@@ -49,7 +62,7 @@ from netdist.torch.store_keys import CoordinatorRecord
 from netdist.torch.work_handle import ENDED, NetdistWork
 from netdist.types import ReduceOp, check_reduce_dtype
 
-__all__ = ["ProcessGroupNetdist", "BACKEND_NAME", "USER_TAG_LIMIT"]
+__all__ = ["NetdistOps", "ProcessGroupNetdist", "BACKEND_NAME", "USER_TAG_LIMIT"]
 
 BACKEND_NAME = "netdist"
 
@@ -122,16 +135,14 @@ def _row_views(tensor: torch.Tensor, rows: list[int]) -> list[np.ndarray]:
     return views
 
 
-class ProcessGroupNetdist(dist.ProcessGroup):
-    """A ``torch.distributed`` process group whose collectives are netdist's.
-
-    Created by ``init_process_group("netdist")`` / ``new_group(backend="netdist")``
-    (``netdist.torch.register``); not constructed directly.
-    """
+class NetdistOps:
+    """torch's collective calls (``allreduce``, ``broadcast``, ``send``...) over a netdist
+    ``Group``, for ``ProcessGroupNetdist`` and ``NetdistBackend`` to inherit beside the
+    torch base class that says how torch reaches them."""
 
     def __init__(self, job: Job, group: Group, *, timeout: timedelta, owns_job: bool,
                  store_record: CoordinatorRecord | None = None) -> None:
-        super().__init__(group.rank, group.world_size)
+        super().__init__(group.rank, group.world_size)  # type: ignore[call-arg]
         self._job = job
         self._store_record = store_record
         self._progress = job.progress
@@ -140,8 +151,6 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         self._owns_job = owns_job
         self._pending: set[Any] = set()
         self._views = ViewCache()
-        self._torch_name = ""
-        self._torch_desc = ""
 
     # -- identity --------------------------------------------------------------------
 
@@ -168,40 +177,14 @@ class ProcessGroupNetdist(dist.ProcessGroup):
     def name(self) -> str:
         return BACKEND_NAME
 
-    # torch sets its group name and description after creation; C++ callers reach them
-    # through getGroupName / getGroupDesc (there is no C++ backend to keep them)
-    def _set_group_name(self, name: str) -> None:
-        self._torch_name = name
+    def size(self) -> int:
+        return self._group.world_size
 
-    def _set_group_desc(self, desc: str) -> None:
-        self._torch_desc = desc
-
-    @property
-    def group_name(self) -> str:
-        return self._torch_name
-
-    @property
-    def group_desc(self) -> str:
-        return self._torch_desc
-
-    def getGroupName(self) -> str:  # noqa: N802 - torch's name
-        return self._torch_name
-
-    def getGroupDesc(self) -> str:  # noqa: N802 - torch's name
-        return self._torch_desc
-
-    @property
-    def _device_types(self) -> list[torch.device]:
-        return [torch.device("cpu")]
-
-    def _get_backend(self, device: Any) -> ProcessGroupNetdist:
-        return self
-
-    supports_coalescing = False
-    supports_splitting = False
+    def rank(self) -> int:
+        return self._group.rank
 
     def __repr__(self) -> str:
-        return (f"<ProcessGroupNetdist rank {self._group.rank} of {self._group.world_size} "
+        return (f"<{type(self).__name__} rank {self._group.rank} of {self._group.world_size} "
                 f"(transport ranks {list(self._group.ranks)})>")
 
     # -- plumbing --------------------------------------------------------------------
@@ -649,10 +632,15 @@ class ProcessGroupNetdist(dist.ProcessGroup):
 
         return self._start("barrier", body(), [])
 
-    def monitored_barrier(self, timeout: timedelta | None = None,
-                          wait_all_ranks: bool = False) -> None:
-        """Rank 0 waits up to ``timeout`` for every rank and names those that did not come."""
-        seconds = timeout.total_seconds() if timeout is not None else self._seconds
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
+        """Rank 0 waits up to the options' timeout for every rank and names those that did
+        not come.
+
+        torch's ``ProcessGroup`` passes ``BarrierOptions`` (``dist.monitored_barrier``'s
+        ``timeout`` as ``opts.timeout``); a bare ``timedelta`` is taken as the timeout.
+        """
+        seconds = (opts.total_seconds() if isinstance(opts, timedelta)
+                   else self._timeout(opts))
         group = self._group
 
         self._start("monitored_barrier",
@@ -670,6 +658,59 @@ class ProcessGroupNetdist(dist.ProcessGroup):
         """Close the job at once, telling peers this rank aborted."""
         if self._owns_job:
             self._job.close(RuntimeError("torch.distributed aborted the process group"))
+
+
+# torch's stubs declare ProcessGroup's calls as pybind overloads, one per C++ signature;
+# NetdistOps implements the one torch's frontends call (as pyproject's mypy section says)
+class ProcessGroupNetdist(NetdistOps, dist.ProcessGroup):  # type: ignore[misc]
+    """A ``torch.distributed`` process group whose collectives are netdist's: the whole
+    group when netdist is its only backend (``init_process_group("netdist")``, a
+    ``new_group`` of such a group, ``new_group(backend="netdist")``); made by
+    ``netdist.torch.create_process_group``, not constructed directly.
+
+    torch calls these methods from Python, so every ``Work`` torch returns is the
+    ``NetdistWork`` itself (``is_completed()``, ``exception()``, the source rank of a
+    receive from any source); a per-device ``NetdistBackend`` cannot offer that.
+    """
+
+    def __init__(self, job: Job, group: Group, *, timeout: timedelta, owns_job: bool,
+                 store_record: CoordinatorRecord | None = None) -> None:
+        super().__init__(job, group, timeout=timeout, owns_job=owns_job,
+                         store_record=store_record)
+        self._torch_name = ""
+        self._torch_desc = ""
+
+    # torch sets its group name and description after creation; C++ callers reach them
+    # through getGroupName / getGroupDesc (there is no C++ backend to keep them)
+    def _set_group_name(self, name: str) -> None:
+        self._torch_name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._torch_desc = desc
+
+    @property
+    def group_name(self) -> str:
+        return self._torch_name
+
+    @property
+    def group_desc(self) -> str:
+        return self._torch_desc
+
+    def getGroupName(self) -> str:  # noqa: N802 - torch's name
+        return self._torch_name
+
+    def getGroupDesc(self) -> str:  # noqa: N802 - torch's name
+        return self._torch_desc
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device("cpu")]
+
+    def _get_backend(self, device: Any) -> ProcessGroupNetdist:
+        return self
+
+    supports_coalescing = False
+    supports_splitting = False
 
 
 def _copy_into(outs: Sequence[torch.Tensor], arrays: Sequence[np.ndarray], what: str) -> None:

@@ -396,24 +396,25 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
 
 def job_of(process_group: dist.ProcessGroup | None = None) -> Job:
-    """The netdist ``Job`` behind a ``"netdist"``-backend process group (default: the
-    world group), so the hooks share the backend's connections and progress thread
+    """The netdist ``Job`` behind a process group that runs the CPU on netdist
+    (``"netdist"``, or ``"cpu:netdist,..."`` beside another device's backend; default:
+    the world group), so the hooks share the backend's connections and progress thread
     instead of joining a second job. A group on another backend (Gloo) raises
     ``TypeError``: connect a job of its own with ``netdist.connect()`` then. The hooks
     average over the job's whole world, so a subgroup raises ``ValueError``.
     """
-    from netdist.torch.backend import ProcessGroupNetdist
+    from netdist.torch.backend import NetdistOps
 
     pg = dist.group.WORLD if process_group is None else process_group
     if pg is None:
         raise ValueError("torch.distributed is not initialised: call init_process_group first")
     backend: Any = pg
-    if not isinstance(backend, ProcessGroupNetdist):
-        try:  # a c10d ProcessGroup wrapping the netdist backend
+    if not isinstance(backend, NetdistOps):
+        try:  # a c10d ProcessGroup with netdist as its CPU backend
             backend = pg._get_backend(torch.device("cpu"))
         except (RuntimeError, AttributeError):
             backend = None
-    if not isinstance(backend, ProcessGroupNetdist):
+    if not isinstance(backend, NetdistOps):
         name = pg.name() if hasattr(pg, "name") else type(pg).__name__
         raise TypeError(f"the process group runs on {name!r}, not on netdist; connect a "
                         "netdist Job for the hooks with netdist.connect()")
