@@ -1,7 +1,7 @@
 """Hugging Face's Trainer and accelerate on netdist: the documented recipes, run as written,
 train bit for bit as on Gloo; what fails, fails with the message the page shows.
 
-``docs/ecosystem/huggingface.md`` shows three examples, and the slow tests here launch
+``docs/ecosystem.md`` shows three examples, and the slow tests here launch
 exactly those files from ``examples/`` with exactly their ``# run:`` line (``netdist launch
 -n 2``, real processes, real TCP on 127.0.0.1), then once more on Gloo:
 
@@ -46,7 +46,7 @@ from netdist.torch.data_parallel_check import check_data_parallel, diagnose
 from .torch_ranks import assert_bitwise_equal, free_port, init_process_group, run_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = REPO_ROOT / "examples"
+EXAMPLES = REPO_ROOT / "examples" / "ecosystem"
 LAUNCH_BOUND = 240.0  # seconds a launched example may run before it is killed
 JOB_BOUND = 240.0  # seconds the failure-mode job may run
 _LINE = re.compile(r"^\[rank (\d)\] rank (\d): (\w+), 2 ranks, loss ([\d.]+), "

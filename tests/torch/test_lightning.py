@@ -4,7 +4,7 @@ Lightning syncs ``self.log(..., sync_dist=True)`` with ``ReduceOp.AVG`` on every
 but Gloo (on Gloo: SUM, then a division), and one of the tensors it averages is an int64
 batch-size count; netdist used to refuse integer AVG, crashing both ranks in the sanity
 check. The test runs the documented recipe, ``examples/ecosystem/lightning_ddp.py``
-under ``netdist launch -n 2`` exactly as ``docs/ecosystem/lightning.md`` shows it (real
+under ``netdist launch -n 2`` exactly as ``docs/ecosystem.md`` shows it (real
 processes on 127.0.0.1, Lightning finding the ranks from the launcher's ``LOCAL_RANK``,
 ``MASTER_ADDR`` and ``MASTER_PORT``), once per backend, and compares: the trained weights
 bit for bit, every logged metric bit for bit, and the int64 mean Lightning takes through

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-DOC = REPO / "docs" / "ecosystem" / "torchrun.md"
+DOC = REPO / "docs" / "ecosystem.md"
 
 
 def _load_harness() -> ModuleType:
@@ -80,7 +80,7 @@ def test_a_sigkilled_worker_recovers_on_the_first_restart(
 
 
 def test_the_docs_recipe_is_the_command_the_test_runs() -> None:
-    """docs/ecosystem/torchrun.md shows the torchrun lines ``run_job`` starts (with the
+    """docs/ecosystem.md shows the torchrun lines ``run_job`` starts (with the
     page's port, ``torchrun`` for ``python -m torch.distributed.run``), and the training
     script's ``# run:`` line is the c10d one."""
     text = DOC.read_text(encoding="utf-8")
