@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from typing import NoReturn
 
 import pytest
@@ -37,3 +38,15 @@ def require_in_ci(missing: str) -> NoReturn:
     if in_ci():
         pytest.fail(f"CI=true but {missing}", pytrace=False)
     pytest.skip(missing)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give the processes the tests start a default SIGINT, even when the suite itself runs
+    with SIGINT ignored (started with ``&`` from a non-interactive shell, as a CI runner's
+    background step may be): children inherit an ignored signal, and the launcher keeps an
+    ignored SIGINT ignored on purpose (``nohup``), so every test that presses Ctrl-C on a
+    launcher, a rank or ``docker/up.sh`` would wait in vain. A Python-level handler is not
+    inherited across ``exec``, so the children start with the default action."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+

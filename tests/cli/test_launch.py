@@ -415,6 +415,9 @@ def test_signal_to_launcher_kills_every_rank_and_its_children(
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=BOUND)
+        for pipe in (proc.stdout, proc.stderr):  # closed here, not by a later test's GC
+            if pipe is not None:
+                pipe.close()
     assert proc.returncode == status
     assert (f"netdist launch: received {signum.name}; terminated ranks 0, 1, 2"
             in err.decode().splitlines())

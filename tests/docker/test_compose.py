@@ -310,11 +310,15 @@ def test_a_container_without_the_token_cannot_join_or_disturb() -> None:
     is refused quickly with a clear error, and the job trains on undisturbed."""
     # a longer job (40 epochs, no checkpoints: ~10-20 s of training) so that the
     # mid-training attacks really happen mid-training
+    # rank 0's coordinator waits for ranks 1-3 while the strangers knock, however long a
+    # loaded machine takes to run them (NETDIST_CONNECT_TIMEOUT bounds the rendezvous)
     cluster = Cluster("stranger", {**TRAIN, "NETDIST_EPOCHS": "40",
-                                   "NETDIST_CHECKPOINT_DIR": "none"})
+                                   "NETDIST_CHECKPOINT_DIR": "none",
+                                   "NETDIST_CONNECT_TIMEOUT": str(RUN_TIMEOUT)})
     stranger_env = {"NETDIST_RANK": "1", "NETDIST_WORLD_SIZE": "4",
                     "NETDIST_COORDINATOR": f"{RANK0}:{COORDINATOR_PORT}",
-                    "NETDIST_JOB_ID": "test", "NETDIST_TIMEOUT": "10"}
+                    "NETDIST_JOB_ID": "test", "NETDIST_TIMEOUT": "10",
+                    "NETDIST_CONNECT_TIMEOUT": "10"}
     try:
         cluster.up(RANK0)
         # the coordinator accepting connections, not a log line printed before it listens
