@@ -35,10 +35,9 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from netdist.errors import BlockingCallError, NetdistTimeoutError, TransportClosedError
@@ -269,11 +268,10 @@ class ProgressThread:
             raise
         return self._run(loop, coro, timeout, "the operation")
 
-    @contextlib.contextmanager
-    def holding(self) -> Iterator[bool]:
-        """Hold the loop on this thread for the block, if it is free: yields ``True``
-        while held; ``False`` when another thread runs the loop, or when entered from
-        code the loop is running (then the block must not touch the loop's state).
+    def holding(self) -> LoopHold:
+        """Hold the loop on this thread for a ``with`` block, if it is free: the block gets
+        ``True`` while held; ``False`` when another thread runs the loop, or when entered
+        from code the loop is running (then the block must not touch the loop's state).
 
         For operations that usually finish without waiting (a small all-reduce through
         shared memory, ``Group.all_reduce_eager``): holding the loop, the caller may use
@@ -281,14 +279,7 @@ class ProgressThread:
         costs. The block must not block: anything that has to wait is a coroutine for
         ``run()`` after the block.
         """
-        if self.on_thread() or not self._try_drive():
-            yield False
-            return
-        try:
-            self.loop  # noqa: B018 - raises if the thread was closed
-            yield True
-        finally:
-            self._end_drive()
+        return LoopHold(self)
 
     def try_call(self, fn: Callable[[], T]) -> tuple[bool, T | None]:
         """Call the synchronous ``fn`` while ``holding`` the loop: ``(True, fn())``, or
@@ -456,3 +447,33 @@ async def _cancel_all() -> None:
         task.cancel()
     if tasks:
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class LoopHold:
+    """``ProgressThread.holding()``: a plain context manager (no generator: it is on the
+    per-call path of a small all-reduce, where a generator's frames cost microseconds)."""
+
+    __slots__ = ("_progress", "_held")
+
+    def __init__(self, progress: ProgressThread) -> None:
+        self._progress = progress
+        self._held = False
+
+    def __enter__(self) -> bool:
+        progress = self._progress
+        if progress.on_thread() or not progress._try_drive():
+            return False
+        self._held = True
+        try:
+            progress.loop  # noqa: B018 - raises if the thread was closed
+        except BaseException:
+            self._held = False
+            progress._end_drive()
+            raise
+        return True
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._held:
+            self._held = False
+            self._progress._end_drive()
+

@@ -44,6 +44,7 @@ tensors, ``Work`` handles, torch's errors).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import Any
@@ -85,7 +86,8 @@ def reduce_op(opts: Any, what: str, *arrays: np.ndarray) -> ReduceOp:
     """netdist's ``ReduceOp`` for the torch options' ``reduceOp``, checked against the
     dtype of each of ``arrays`` here, on the caller's thread: an op undefined for the
     dtype (AVG of bool, BAND of floats) raises ``TypeError`` naming torch's call and
-    torch's op (``allreduce AVG``), not netdist's names for them."""
+    torch's op (``allreduce AVG``), not netdist's names for them. This is on every call's
+    path, so the verdict per (op, dtype) is cached (``_defined``)."""
     red = opts.reduceOp
     kind = getattr(red, "op", red)
     try:
@@ -94,8 +96,19 @@ def reduce_op(opts: Any, what: str, *arrays: np.ndarray) -> ReduceOp:
         raise ValueError(f"{what}: the netdist backend does not support {kind} "
                          "(PREMUL_SUM is NCCL's)") from None
     for array in arrays:
-        check_reduce_dtype(op, array.dtype, what, name=kind.name)
+        if not _defined(op, array.dtype):
+            check_reduce_dtype(op, array.dtype, what, name=kind.name)  # raises, naming both
     return op
+
+
+@functools.cache
+def _defined(op: ReduceOp, dtype: np.dtype[Any]) -> bool:
+    """Whether ``op`` is defined for ``dtype`` (``check_reduce_dtype``'s verdict)."""
+    try:
+        check_reduce_dtype(op, dtype, "")
+    except TypeError:
+        return False
+    return True
 
 
 def _one(tensors: Sequence[Any], what: str) -> Any:
