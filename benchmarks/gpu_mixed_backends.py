@@ -37,6 +37,7 @@ import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 MIXED = "cpu:netdist,cuda:nccl"
@@ -48,12 +49,14 @@ COMPARED = ("all_reduce cuda", "all_reduce cpu", "ddp losses", "ddp weights")
 
 # -- one rank ---------------------------------------------------------------------------
 
-def _record_netdist_calls() -> list[str]:
-    """Wrap netdist's backend methods so each call appends its name to the returned list."""
+def record_netdist_calls(names: Sequence[str] = RECORDED) -> list[str]:
+    """Wrap netdist's backend methods ``names`` so each call appends its name to the
+    returned list (the backend still does the work: this only observes which one ran).
+    ``tests/torch/test_mixed_backends.py`` records through this too."""
     from netdist.torch.backend import NetdistOps
 
     calls: list[str] = []
-    for name in RECORDED:
+    for name in names:
         original = getattr(NetdistOps, name)
 
         def recording(self: Any, *args: Any, _original: Any = original, _name: str = name,
@@ -77,7 +80,7 @@ def worker(backend: str, steps: int, out_dir: str, collective_timeout: float) ->
     torch.cuda.set_device(rank)
     gpu = torch.device("cuda", rank)
     torch.use_deterministic_algorithms(True)
-    calls = _record_netdist_calls()
+    calls = record_netdist_calls()
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=timedelta(seconds=collective_timeout))
     pg = dist.group.WORLD

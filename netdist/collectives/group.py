@@ -559,7 +559,7 @@ class Group:
         with ``wait_all_ranks``; the others then fail too): Gloo's ``monitoredBarrier``,
         ``netdist.collectives.algorithms.barrier``. As there, ``timeout=0`` gives rank 0 no time."""
         self._check_member("monitored_barrier")
-        seconds = 0.0 if timeout == 0 else timeout_value(timeout, "timeout") or self._timeout
+        seconds = 0.0 if timeout == 0 else self._ops.deadline(timeout)
         body = exchange.prepare_monitored_barrier(self._ops, seconds, wait_all_ranks)
         return await self._submit("monitored_barrier", body,
                                   root_monitored_limit(seconds, self.world_size), async_op)

@@ -283,15 +283,9 @@ class ProgressThread:
 
     def try_call(self, fn: Callable[[], T]) -> tuple[bool, T | None]:
         """Call the synchronous ``fn`` while ``holding`` the loop: ``(True, fn())``, or
-        ``(False, None)`` when the loop is not free (see ``holding``). The same as
-        ``holding``, without a generator's cost on this per-call path."""
-        if self.on_thread() or not self._try_drive():
-            return False, None
-        try:
-            self.loop  # noqa: B018 - raises if the thread was closed
-            return True, fn()
-        finally:
-            self._end_drive()
+        ``(False, None)`` when the loop is not free (see ``holding``)."""
+        with LoopHold(self) as held:
+            return (True, fn()) if held else (False, None)
 
     def _run(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T],
              timeout: float | None, what: str) -> T:

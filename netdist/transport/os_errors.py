@@ -122,9 +122,8 @@ def lost_reason(exc: BaseException | None, where: str, detail: str = "") -> str:
     when the peer closed it (``exc`` is ``None`` or an EOF), else ``"connection to
     <where> was lost (<Type>: <message>)"``; ``detail`` (how far a frame had landed)
     follows either."""
-    if kind_of(exc) is OsErrorKind.EOF:
+    if exc is None or kind_of(exc) is OsErrorKind.EOF:
         return f"{where} closed the connection (EOF){detail}"
-    assert exc is not None
     return f"connection to {where} was lost ({describe(exc)}){detail}"
 
 

@@ -10,22 +10,19 @@ resume from the newest step and save the next one, leaving no crash leftovers.
 from __future__ import annotations
 
 import errno
-import importlib.util
 import os
 import shutil
 import signal
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from netdist.checkpoint import list_checkpoints
 from netdist.checkpoint.commit import FAILPOINT_ENV, CommitPoint
+from tests.benchmark_harness import load_benchmark
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 MIB = 2.0
 OLD_POINTS = {CommitPoint.PREPARED, CommitPoint.FILES_DURABLE, CommitPoint.STAGED,
               CommitPoint.ASIDE}
@@ -34,18 +31,7 @@ CASES = [(mode, point) for mode in ("overwrite", "default") for point in CommitP
          if mode == "overwrite" or point not in REPLACE_ONLY]
 
 
-def _load_harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "checkpoint_crash", REPO / "benchmarks" / "checkpoint_crash.py")
-    if spec is None or spec.loader is None:
-        raise ImportError("benchmarks/checkpoint_crash.py is missing")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-harness = _load_harness()
+harness = load_benchmark("checkpoint_crash")
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.benchmark_harness import load_benchmark
 from tests.torch.torch_ranks import (
     COLLECTIVE_TIMEOUT,
     TEST_TIMEOUT,
@@ -39,6 +40,7 @@ from tests.torch.torch_ranks import (
 WORLD = 2
 REPO = Path(__file__).resolve().parents[2]
 GPU_SCRIPT = REPO / "benchmarks" / "gpu_mixed_backends.py"
+gpu_script = load_benchmark("gpu_mixed_backends")
 CPU = torch.device("cpu")
 #: netdist's backend methods whose calls a rank records (what ran a CPU call)
 RECORDED = ("allreduce", "broadcast", "allgather", "all_gather_single", "barrier",
@@ -49,24 +51,6 @@ GLOO_STRINGS = ["cpu:gloo,cuda:gloo", "cuda:gloo,cpu:gloo", "gloo"]
 #: on a machine without a GPU each netdist string must fail as the Gloo string beside it
 NCCL_STRINGS = [("cpu:netdist,cuda:nccl", "cpu:gloo,cuda:nccl"),
                 ("cuda:nccl,cpu:netdist", "cuda:nccl,cpu:gloo")]
-
-
-def _record_netdist_calls() -> list[str]:
-    """Wrap netdist's backend methods in ``RECORDED`` so each call appends its name to the
-    returned list (the backend still does the work: this only observes which one ran)."""
-    from netdist.torch.backend import NetdistOps
-
-    calls: list[str] = []
-    for name in RECORDED:
-        original = getattr(NetdistOps, name)
-
-        def recording(self: Any, *args: Any, _original: Any = original, _name: str = name,
-                      **kwargs: Any) -> Any:
-            calls.append(_name)
-            return _original(self, *args, **kwargs)
-
-        setattr(NetdistOps, name, recording)
-    return calls
 
 
 def _since(calls: list[str], mark: int) -> list[str]:
@@ -171,7 +155,7 @@ def mixed_groups(rank: int, world: int, backend: str, init_method: str, out_dir:
     TCP store, the rest through a file store each), recording netdist's calls."""
     import netdist.torch  # noqa: F401 - registers the backend
 
-    calls = _record_netdist_calls()
+    calls = gpu_script.record_netdist_calls(RECORDED)
     results = []
     for i, string in enumerate(strings):
         method = init_method if i == 0 else f"file://{out_dir}/store-{i}"

@@ -15,32 +15,21 @@ address from torchrun's store and failed (``ConnectError ... (124 attempts)``).
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shlex
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.benchmark_harness import load_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "ecosystem.md"
 
 
-def _load_harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "torchrun_restarts", REPO / "benchmarks" / "torchrun_restarts.py")
-    if spec is None or spec.loader is None:
-        raise ImportError("benchmarks/torchrun_restarts.py is missing")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-harness = _load_harness()
+harness = load_benchmark("torchrun_restarts")
 
 
 @pytest.fixture(scope="module")

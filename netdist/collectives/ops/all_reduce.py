@@ -18,7 +18,7 @@ import numpy as np
 from netdist.collectives.channel import Channel
 from netdist.collectives.host.arena import host_all_reduce
 from netdist.collectives.ops.arguments import WIRE_DTYPES, contiguous, in_place, reduce_op
-from netdist.collectives.ops.context import OpContext, arena_mode
+from netdist.collectives.ops.context import OpContext
 from netdist.collectives.algorithms.ring import ring_all_reduce
 from netdist.collectives.routes import Algorithm, Operation, Turn, plan
 from netdist.collectives.algorithms.doubling import doubling_all_reduce
@@ -42,11 +42,9 @@ def prepare_all_reduce(ctx: OpContext, array: Any, op: ReduceOp | str) -> Body:
     mean = op is ReduceOp.MEAN
 
     async def body(chan: Channel) -> Any:
-        if route.turn is Turn.HOST:
-            assert ticket is not None
-            async with ctx.host.turn(chan, ticket) as arena:
-                if route.settle(arena=arena_mode(arena)) is Algorithm.ARENA:
-                    assert arena is not None
+        if route.turn is Turn.HOST and ticket is not None:
+            async with ctx.arena_for(route, chan, ticket) as arena:
+                if arena is not None:
                     await host_all_reduce(chan, arena, flat, op, mean, route.segment,
                                           ctx.tuning.pipeline_depth)
                 else:
@@ -54,11 +52,10 @@ def prepare_all_reduce(ctx: OpContext, array: Any, op: ReduceOp | str) -> Body:
                                           ctx.tuning.pipeline_depth,
                                           divisor=n if mean else None)
         elif route.otherwise is not Algorithm.NOTHING:
-            if route.turn is Turn.LANE:
-                assert ticket is not None
+            if route.turn is Turn.LANE and ticket is not None:
+                # inline, not a context helper: this is the small-message path
                 async with ctx.lane.turn(chan, ticket) as lane:
-                    if route.settle(lane_up=lane is not None) is Algorithm.LANE:
-                        assert lane is not None
+                    if lane is not None and route.settle(lane_up=True) is Algorithm.LANE:
                         await lane.all_reduce(chan, flat, op)
                     else:
                         await doubling_all_reduce(chan, flat, op)

@@ -8,6 +8,8 @@ for small all-reduces). Operations never reach back into ``Group``.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +18,10 @@ import numpy as np
 from netdist.collectives.host.layout import LocalMode
 from netdist.collectives.host.lane import LanePath
 from netdist.collectives.host.arena import HostArena, HostPath
+from netdist.collectives.ops.arguments import timeout_value
 from netdist.collectives.tags import P2P_BIT, P2P_TAG_LIMIT
-from netdist.collectives.routes import Operation, Route, Turn, Tuning, plan
+from netdist.collectives.channel import Channel
+from netdist.collectives.routes import Algorithm, Operation, Route, Turn, Tuning, plan
 from netdist.transport.base import Transport
 
 __all__ = ["OpContext", "arena_mode"]
@@ -52,6 +56,10 @@ class OpContext:
             raise ValueError(f"{what} {peer} is outside 0..{len(self.ranks) - 1}")
         return int(peer)
 
+    def deadline(self, timeout: float | None) -> float:
+        """A point-to-point call's deadline: ``timeout`` (checked) or the group's."""
+        return timeout_value(timeout, "timeout") or self.timeout
+
     def p2p_tag(self, tag: Any) -> int:
         """The wire tag of the group's point-to-point ``tag`` (< ``P2P_TAG_LIMIT``)."""
         if not isinstance(tag, (int, np.integer)) or isinstance(tag, bool):
@@ -69,6 +77,16 @@ class OpContext:
         if route.turn is Turn.LANE:
             return route, self.lane.ticket()
         return route, None
+
+    @contextlib.asynccontextmanager
+    async def arena_for(self, route: Route, chan: Channel,
+                        ticket: int) -> AsyncIterator[HostArena | None]:
+        """Hold ``route``'s host turn (``ticket``) for the block and give the arena when
+        the route settles on it there (``Route.settle``), else ``None``: run the route's
+        TCP algorithm. Not on the small-message path (host turns are for large calls)."""
+        async with self.host.turn(chan, ticket) as arena:
+            settled = route.settle(arena=arena_mode(arena)) is Algorithm.ARENA
+            yield arena if settled else None
 
 
 def arena_mode(arena: HostArena | None) -> LocalMode | None:

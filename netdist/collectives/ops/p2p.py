@@ -25,7 +25,6 @@ import numpy as np
 from netdist.collectives.channel import Channel
 from netdist.collectives.tags import P2P_TAG_LIMIT
 from netdist.errors import LocalProtocolError, NetdistTimeoutError
-from netdist.collectives.ops.arguments import timeout_value
 from netdist.collectives.ops.context import OpContext
 from netdist.tensors import StagedOut, as_array, is_tensor, numpy_result, stage_out
 from netdist.transport.mailbox import byte_view, check_out_buffer
@@ -103,17 +102,23 @@ async def recv_from_any(chan: Channel, sources: Sequence[int], timeout: float,
                 f"{'s' if len(sources) > 1 else ''} {listed} within {timeout:.2f}s")
 
 
+def _other_member(ctx: OpContext, peer: Any, what: str) -> int:
+    """``peer`` as the group rank of another member; ``ValueError`` for this rank."""
+    peer = ctx.peer(peer, what)
+    if peer == ctx.rank:
+        raise ValueError(f"{what} {peer} is this rank")
+    return peer
+
+
 def prepare_send(ctx: OpContext, array: Any, dst: int, tag: int,
                  timeout: float | None) -> Prepared:
     """Check ``send``'s arguments; the body sending ``array`` (ndarray, CPU tensor or
     bytes-like; a non-contiguous one from a contiguous copy) to group rank ``dst``."""
     if not isinstance(array, np.ndarray) and is_tensor(array):
         array = as_array(array, "send")
-    dst = ctx.peer(dst, "send dst")
-    if dst == ctx.rank:
-        raise ValueError(f"send dst {dst} is this rank")
+    dst = _other_member(ctx, dst, "send dst")
     wire_tag = ctx.p2p_tag(tag)
-    deadline = timeout_value(timeout, "timeout") or ctx.timeout
+    deadline = ctx.deadline(timeout)
     target = ctx.ranks[dst]
 
     async def body() -> None:
@@ -126,11 +131,9 @@ def prepare_recv(ctx: OpContext, src: int, tag: int, out: Any,
                  timeout: float | None) -> Prepared:
     """Check ``recv``'s arguments; the body receiving the next message from group rank
     ``src`` on ``tag`` (into ``out``, returned, when given)."""
-    src = ctx.peer(src, "recv src")
-    if src == ctx.rank:
-        raise ValueError(f"recv src {src} is this rank")
+    src = _other_member(ctx, src, "recv src")
     wire_tag = ctx.p2p_tag(tag)
-    deadline = timeout_value(timeout, "timeout") or ctx.timeout
+    deadline = ctx.deadline(timeout)
     source = ctx.ranks[src]
     into, staged = recv_landing(out, "recv")
 
@@ -152,7 +155,7 @@ def prepare_recv_any(ctx: OpContext, sources: Sequence[int] | None, tag: int, ou
         raise ValueError(f"recv_any sources must be other members, each once, got "
                          f"{peers} on group rank {ctx.rank}")
     wire_tag = ctx.p2p_tag(tag)
-    deadline = timeout_value(timeout, "timeout") or ctx.timeout
+    deadline = ctx.deadline(timeout)
     into, staged = recv_landing(out, "recv_any")
     chan = Channel(ctx.transport, ctx.ranks, ctx.rank, wire_tag, deadline, "recv_any")
 

@@ -16,7 +16,7 @@ import numpy as np
 from netdist.collectives.channel import Channel
 from netdist.collectives.host.arena import host_broadcast
 from netdist.collectives.ops.arguments import check_array, contiguous, in_place, reduce_op, tensor_io
-from netdist.collectives.ops.context import OpContext, arena_mode
+from netdist.collectives.ops.context import OpContext
 from netdist.collectives.algorithms.ring import chain_broadcast, ring_reduce_scatter
 from netdist.collectives.routes import Algorithm, Operation, Turn
 from netdist.collectives.algorithms.linear import linear_gather, linear_scatter
@@ -41,11 +41,9 @@ def prepare_broadcast(ctx: OpContext, array: Any, src: int) -> Body:
     route, ticket = ctx.route(Operation.BROADCAST, flat.nbytes, flat.itemsize)
 
     async def body(chan: Channel) -> Any:
-        if route.turn is Turn.HOST:
-            assert ticket is not None
-            async with ctx.host.turn(chan, ticket) as arena:
-                if route.settle(arena=arena_mode(arena)) is Algorithm.ARENA:
-                    assert arena is not None
+        if route.turn is Turn.HOST and ticket is not None:
+            async with ctx.arena_for(route, chan, ticket) as arena:
+                if arena is not None:
                     await host_broadcast(chan, arena, flat, src, route.segment)
                 else:
                     await chain_broadcast(chan, flat, src, route.segment)

@@ -24,8 +24,6 @@ from netdist.collectives.routes import (
     UNKNOWN_SIZE,
     Algorithm,
     Operation,
-    Route,
-    Turn,
     all_gather_algorithm,
 )
 from netdist.collectives.algorithms.bruck import bruck_all_gather, bruck_all_gather_blobs
@@ -71,15 +69,13 @@ def prepare_reduce_scatter(ctx: OpContext, array: Any, op: ReduceOp | str,
     async def body(chan: Channel) -> Any:
         if route.otherwise is Algorithm.NOTHING:
             out_flat[...] = flat[lo:hi]
-        elif route.turn is Turn.NONE:  # doubling over a copy, keeping the own chunk
+        elif ticket is None:  # doubling over a copy, keeping the own chunk
             scratch = flat.copy()
             await doubling_all_reduce(chan, scratch, op)
             out_flat[...] = scratch[lo:hi]
         else:
-            assert ticket is not None
-            async with ctx.host.turn(chan, ticket) as arena:
-                if route.settle(arena=arena_mode(arena)) is Algorithm.ARENA:
-                    assert arena is not None
+            async with ctx.arena_for(route, chan, ticket) as arena:
+                if arena is not None:
                     await arena.reduce_scatter(chan, flat, op, chunk_bounds(flat.size, n),
                                                out_flat, None)
                 else:
@@ -127,11 +123,11 @@ def prepare_all_gather(ctx: OpContext, shard: Any, out: Any) -> Body:
 
     async def body(chan: Channel) -> Any:
         if ticket is None:
-            return await gather(chan, route, None)
+            return await gather(chan, None)
         async with ctx.host.turn(chan, ticket) as arena:
-            return await gather(chan, route, arena)
+            return await gather(chan, arena)
 
-    async def gather(chan: Channel, route: Route, arena: HostArena | None) -> Any:
+    async def gather(chan: Channel, arena: HostArena | None) -> Any:
         if out is None:
             sizes = await _exchange_shapes(chan, mine, rank)
             result = np.empty((sum(sizes), *trailing), mine.dtype)
@@ -148,8 +144,7 @@ def prepare_all_gather(ctx: OpContext, shard: Any, out: Any) -> Body:
         if algorithm is not Algorithm.NOTHING:
             data = chan.derive(1)
             try:
-                if algorithm is Algorithm.ARENA:
-                    assert arena is not None
+                if algorithm is Algorithm.ARENA and arena is not None:
                     await arena.all_gather(chan, out_flat, chunks)
                 elif algorithm is Algorithm.BRUCK:
                     await bruck_all_gather(data, out_flat, chunks)
