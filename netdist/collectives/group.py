@@ -44,7 +44,7 @@ from netdist.collectives.algorithms.barrier import root_monitored_limit
 from netdist.collectives.ops import all_reduce as _all_reduce
 from netdist.collectives.ops import exchange, p2p, rooted, scatter_gather
 from netdist.collectives.ops.arguments import subgroup_ranks, timeout_value
-from netdist.collectives.ops.context import OpContext
+from netdist.collectives.ops.context import OpContext, spans_hosts
 from netdist.collectives.routes import (
     DEFAULT_PIPELINE_DEPTH,
     DEFAULT_SEGMENT_BYTES,
@@ -132,7 +132,8 @@ class Group:
         """How this rank offers to move an all-reduce on one host (all must agree)."""
         self._ops = OpContext(transport, ranks, self._rank, tuning,
                               HostPath(shared_memory, shm_slot_bytes, shm_copy),
-                              LanePath(shared_memory), timeout, self._tag_base)
+                              LanePath(shared_memory), timeout, self._tag_base,
+                              spans_hosts(transport, ranks))
         self._seq = self._children = 0
         self._plans: dict[tuple[Any, ...], Any] = {}
         self._scratch = ScratchPool()
@@ -323,9 +324,10 @@ class Group:
 
     @property
     def local_copy(self) -> ShmCopy | None:
-        """How a large all-reduce on one host moves bytes: ``SINGLE`` (ranks read each
-        other's arrays) or ``STAGED`` (through the segment); ``None`` until the first
-        large collective, or when it does not use shared memory."""
+        """How large collectives move bytes among a host's ranks: ``SINGLE`` (ranks read
+        and write each other's arrays; across hosts the two-level schedules run) or
+        ``STAGED`` (through the segment); ``None`` until the first large collective, or
+        when it does not use shared memory."""
         arena = self._ops.host.arena
         return None if arena is None else arena.copy
 

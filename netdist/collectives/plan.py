@@ -197,11 +197,15 @@ def ring_all_reduce_plan(rank: int, world_size: int, total: int, segment: int) -
     return ring_plan(rank, world_size, chunks, segment, 0, 2 * world_size - 2)
 
 
-def ring_reduce_scatter_plan(rank: int, world_size: int, total: int,
-                             segment: int) -> RingPlan:
-    """Ring reduce-scatter: afterwards rank ``r`` holds reduced chunk ``r``."""
+def ring_reduce_scatter_plan(rank: int, world_size: int, total: int, segment: int,
+                             chunks: tuple[tuple[int, int], ...] | None = None) -> RingPlan:
+    """Ring reduce-scatter: afterwards rank ``r`` holds reduced chunk ``r`` (``chunks``:
+    each rank's bounds in the ``total`` elements, default ``chunk_bounds``)."""
     _check_world(rank, world_size)
-    chunks = tuple(chunk_bounds(total, world_size))
+    if chunks is None:
+        chunks = tuple(chunk_bounds(total, world_size))
+    elif chunks and (chunks[0][0] < 0 or chunks[-1][1] > total):
+        raise ValueError(f"chunks {chunks} reach outside 0..{total}")
     return ring_plan(rank, world_size, chunks, segment, 0, world_size - 1)
 
 

@@ -17,16 +17,25 @@ The algorithms, for a group of ``n`` ranks and ``small_message_bytes`` (default 
 
 - ``all_reduce``: up to the threshold, recursive doubling (``log2 n`` rounds, with the fold
   for non-powers of two), through the shared-memory lane when the message fits it
-  (``LANE_BYTES``) and every rank is on one host; above it, the host arena when the ranks
-  share hosts, else a pipelined ring reduce-scatter + all-gather, so each rank sends and
-  receives ``2(n-1)/n`` of the data.
-- ``reduce_scatter`` / ``all_gather``: above the threshold the arena on a single host,
-  else the ring; below it the all-reduce (keeping the own chunk) and Bruck's all-gather.
-- ``broadcast``: binomial tree below, above it the arena or a pipelined chain.
+  (``LANE_BYTES``) and every rank is on one host; above it, the host arena on one host,
+  the two-level schedule across hosts (``host.two_level``: fold inside each host, every
+  lane rank carries its share across, pipelined), else a pipelined ring reduce-scatter +
+  all-gather, so each rank sends and receives ``2(n-1)/n`` of the data.
+- ``reduce_scatter`` / ``all_gather``: above the threshold the arena on a single host, the
+  two-level schedule across hosts of equal size, else the ring; below it the all-reduce
+  (keeping the own chunk) and Bruck's all-gather.
+- ``broadcast``: binomial tree below; above it the arena on one host, a chain across
+  hosts through one rank per host (two-level), or a pipelined chain.
   ``reduce``: binomial tree below, ring reduce-scatter + direct gather to the root above.
 - ``gather`` / ``scatter``: linear (the root talks to every rank at once); ``all_to_all``:
   every pair at once; ``barrier``: dissemination; the object collectives: Bruck's
   all-gather and the binomial tree over byte blobs.
+
+Where the group spans hosts (``across_hosts``: by the transport's host keys, known alike
+everywhere), the threshold is at most ``ACROSS_HOSTS_SMALL_BYTES``. The two-level
+schedules run only where the host's ranks reach each other's arrays (single copy, which
+the arena's setup probes); otherwise the staged arena (hosts of equal size: all-reduce
+and broadcast) or the TCP algorithm runs.
 
 Every rank ends an all-reduce with bitwise-identical results: the ring reduces each chunk
 along one fixed chain and copies the result, recursive doubling combines operands lower
@@ -46,6 +55,7 @@ from dataclasses import dataclass
 from netdist.collectives.host.layout import LocalMode
 
 __all__ = [
+    "ACROSS_HOSTS_SMALL_BYTES",
     "Algorithm",
     "DEFAULT_SEGMENT_BYTES",
     "DEFAULT_SMALL_MESSAGE_BYTES",
@@ -59,6 +69,7 @@ __all__ = [
     "all_gather_algorithm",
     "plan",
     "segment_elements",
+    "small_bytes",
 ]
 
 DEFAULT_SMALL_MESSAGE_BYTES = 1024 * 1024
@@ -81,6 +92,12 @@ twice as many), within ``MIN_SEGMENT_BYTES .. segment_bytes``."""
 
 MIN_SEGMENT_BYTES = 256 * 1024
 """Smallest segment the ring and chain algorithms cut a mid-sized message into."""
+
+ACROSS_HOSTS_SMALL_BYTES = 64 * 1024
+"""Where a group spans hosts, messages above this size (or ``small_message_bytes`` if
+lower) take the bandwidth-optimal routes: across a 1-10 Gbit/s link a message's bytes
+outweigh a few round trips long before 1 MiB, and recursive doubling moves the whole
+message across the link once per rank."""
 
 UNKNOWN_SIZE = -1
 """``plan``'s ``nbytes`` for an ``all_gather`` whose size the shape exchange will tell."""
@@ -115,6 +132,10 @@ class Algorithm(enum.Enum):
     """Rooted broadcast or reduce in ``ceil(log2 n)`` rounds."""
     CHAIN = "pipelined chain"
     """Broadcast along a chain from the root, segment by segment."""
+    TWO_LEVEL = "two-level"
+    """Across hosts: inside each host through the ranks' own arrays (single copy), across
+    hosts by every lane rank carrying its share over TCP, the stages pipelined
+    (``host.two_level``)."""
 
 
 class Turn(enum.Enum):
@@ -160,19 +181,28 @@ class Route:
     segment: int = 0
     arena_modes: frozenset[LocalMode] = frozenset()
     """The arena modes in which ``shared`` runs (a ``Turn.HOST`` route)."""
+    two_level_modes: frozenset[LocalMode] = frozenset()
+    """The arena modes (across hosts) in which ``Algorithm.TWO_LEVEL`` runs, where the
+    host's ranks can reach each other's arrays (single copy)."""
 
-    def settle(self, lane_up: bool = False, arena: LocalMode | None = None) -> Algorithm:
+    def settle(self, lane_up: bool = False, arena: LocalMode | None = None,
+               single_copy: bool = False) -> Algorithm:
         """The algorithm that runs, once the turn has told whether the lane is up or
-        which arena the ranks share (``None``: no arena)."""
+        which arena the ranks share (``None``: no arena) and whether its ranks reach each
+        other's arrays (``single_copy``)."""
         if self.turn is Turn.LANE:
             return self.shared if lane_up else self.otherwise
         if self.turn is Turn.HOST:
+            if single_copy and arena in self.two_level_modes:
+                return Algorithm.TWO_LEVEL
             return self.shared if arena in self.arena_modes else self.otherwise
         return self.otherwise
 
 
 _ANY_ARENA = frozenset({LocalMode.SINGLE_HOST, LocalMode.HIERARCHICAL})
 _SINGLE_HOST = frozenset({LocalMode.SINGLE_HOST})
+_ACROSS_HOSTS = frozenset({LocalMode.HIERARCHICAL, LocalMode.UNEVEN_HOSTS})
+_EVEN_HOSTS = frozenset({LocalMode.HIERARCHICAL})
 
 
 def segment_elements(itemsize: int, nbytes: int, pieces: int, segment_bytes: int) -> int:
@@ -191,29 +221,39 @@ _LANE_OR_DOUBLING = Route(Turn.LANE, Algorithm.LANE, Algorithm.DOUBLING)
 _DOUBLING = Route(Turn.NONE, Algorithm.DOUBLING, Algorithm.DOUBLING)
 _BRUCK = Route(Turn.NONE, Algorithm.BRUCK, Algorithm.BRUCK)
 _TREE = Route(Turn.NONE, Algorithm.TREE, Algorithm.TREE)
-_GATHER_IN_TURN = Route(Turn.HOST, Algorithm.ARENA, Algorithm.RING, 0, _SINGLE_HOST)
+_GATHER_IN_TURN = Route(Turn.HOST, Algorithm.ARENA, Algorithm.RING, 0, _SINGLE_HOST,
+                        _EVEN_HOSTS)
 # the routes without a segment are shared values: a small call allocates nothing to plan
 
 
-def plan(op: Operation, nbytes: int, itemsize: int, world_size: int, tuning: Tuning) -> Route:
+def small_bytes(tuning: Tuning, across_hosts: bool) -> int:
+    """The largest message that takes the latency-optimal routes."""
+    if across_hosts:
+        return min(tuning.small_message_bytes, ACROSS_HOSTS_SMALL_BYTES)
+    return tuning.small_message_bytes
+
+
+def plan(op: Operation, nbytes: int, itemsize: int, world_size: int, tuning: Tuning,
+         across_hosts: bool = False) -> Route:
     """The route of ``op`` over ``nbytes`` (elements of ``itemsize`` bytes) among
-    ``world_size`` ranks; ``nbytes`` is ``UNKNOWN_SIZE`` for an ``all_gather`` whose size
-    the shape exchange will tell. Depends only on what every rank knows alike."""
+    ``world_size`` ranks, which span several hosts if ``across_hosts``; ``nbytes`` is
+    ``UNKNOWN_SIZE`` for an ``all_gather`` whose size the shape exchange will tell.
+    Depends only on what every rank knows alike."""
     n = world_size
     if n < 2 or nbytes == 0:
         return _NOTHING
-    large = nbytes == UNKNOWN_SIZE or nbytes > tuning.small_message_bytes
+    large = nbytes == UNKNOWN_SIZE or nbytes > small_bytes(tuning, across_hosts)
     if op is Operation.ALL_REDUCE:
         if large:
             return Route(Turn.HOST, Algorithm.ARENA, Algorithm.RING,
                          segment_elements(itemsize, nbytes // n, PIECES, tuning.segment_bytes),
-                         _ANY_ARENA)
+                         _ANY_ARENA, _ACROSS_HOSTS)
         return _LANE_OR_DOUBLING if nbytes <= LANE_BYTES else _DOUBLING
     if op is Operation.REDUCE_SCATTER:
         if large:
             return Route(Turn.HOST, Algorithm.ARENA, Algorithm.RING,
                          segment_elements(itemsize, nbytes // n, PIECES, tuning.segment_bytes),
-                         _SINGLE_HOST)
+                         _SINGLE_HOST, _EVEN_HOSTS)
         return _DOUBLING
     if op is Operation.ALL_GATHER:
         # the arena can carry it only when it is large; which algorithm runs is told
@@ -225,7 +265,8 @@ def plan(op: Operation, nbytes: int, itemsize: int, world_size: int, tuning: Tun
         # a chain of two has nothing to overlap: one message is cheapest
         segment = (nbytes // max(1, itemsize) if n == 2 else
                    segment_elements(itemsize, nbytes, 2 * PIECES, tuning.segment_bytes))
-        return Route(Turn.HOST, Algorithm.ARENA, Algorithm.CHAIN, segment, _ANY_ARENA)
+        return Route(Turn.HOST, Algorithm.ARENA, Algorithm.CHAIN, segment, _ANY_ARENA,
+                     _ACROSS_HOSTS)
     if op is Operation.REDUCE:
         if not large:
             return _TREE
@@ -235,14 +276,18 @@ def plan(op: Operation, nbytes: int, itemsize: int, world_size: int, tuning: Tun
 
 
 def all_gather_algorithm(route: Route, total_nbytes: int, itemsize: int, world_size: int,
-                         arena: LocalMode | None, tuning: Tuning) -> tuple[Algorithm, int]:
+                         arena: LocalMode | None, tuning: Tuning,
+                         single_copy: bool = False,
+                         across_hosts: bool = False) -> tuple[Algorithm, int]:
     """``(algorithm, segment)`` of an ``all_gather`` once its total size is known (after
     the shape exchange, inside the turn ``route`` took)."""
     if world_size < 2 or total_nbytes == 0:
         return Algorithm.NOTHING, 0
-    if total_nbytes <= tuning.small_message_bytes:
+    if total_nbytes <= small_bytes(tuning, across_hosts):
         return Algorithm.BRUCK, 0
-    if route.settle(arena=arena) is Algorithm.ARENA:
+    settled = route.settle(arena=arena, single_copy=single_copy)
+    if settled is Algorithm.ARENA:
         return Algorithm.ARENA, 0
-    return Algorithm.RING, segment_elements(itemsize, total_nbytes // world_size, PIECES,
-                                            tuning.segment_bytes)
+    segment = segment_elements(itemsize, total_nbytes // world_size, PIECES,
+                               tuning.segment_bytes)
+    return (Algorithm.TWO_LEVEL if settled is Algorithm.TWO_LEVEL else Algorithm.RING), segment

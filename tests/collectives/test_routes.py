@@ -142,3 +142,49 @@ def test_all_gather_algorithm_once_the_size_is_known(total: int, world: int,
 def test_a_route_without_a_turn_ignores_what_shared_memory_offers() -> None:
     route = Route(Turn.NONE, A.LANE, A.DOUBLING)
     assert route.settle(lane_up=True, arena=SINGLE) is A.DOUBLING
+
+
+UNEVEN = LocalMode.UNEVEN_HOSTS
+
+# (op, nbytes) -> (hierarchical single copy, uneven single copy, uneven staged): what runs
+# across hosts once the turn has said whether the host's ranks reach each other's arrays
+ACROSS = [
+    (Operation.ALL_REDUCE, 2 * MIB, A.TWO_LEVEL, A.TWO_LEVEL, A.RING),
+    (Operation.REDUCE_SCATTER, 2 * MIB, A.TWO_LEVEL, A.RING, A.RING),
+    (Operation.ALL_GATHER, 2 * MIB, A.TWO_LEVEL, A.RING, A.RING),
+    (Operation.BROADCAST, 2 * MIB, A.TWO_LEVEL, A.TWO_LEVEL, A.CHAIN),
+    (Operation.REDUCE, 2 * MIB, A.RING, A.RING, A.RING),
+    (Operation.ALL_REDUCE, 8, A.DOUBLING, A.DOUBLING, A.DOUBLING),
+]
+
+
+@pytest.mark.parametrize("op, nbytes, hierarchical, uneven, uneven_staged", ACROSS,
+                         ids=[f"{row[0].value}-{row[1]}B" for row in ACROSS])
+def test_across_hosts_the_two_level_schedule_needs_single_copy(
+        op: Operation, nbytes: int, hierarchical: Algorithm, uneven: Algorithm,
+        uneven_staged: Algorithm) -> None:
+    route = plan(op, nbytes, 4, 4, SMALL, across_hosts=True)
+    assert route.settle(arena=HIER, single_copy=True) is hierarchical
+    assert route.settle(arena=UNEVEN, single_copy=True) is uneven
+    assert route.settle(arena=UNEVEN) is uneven_staged
+    # on one host single copy changes nothing here: the arena decides how it copies
+    assert route.settle(arena=SINGLE, single_copy=True) is route.settle(arena=SINGLE)
+
+
+def test_across_hosts_mid_sized_messages_take_the_bandwidth_routes() -> None:
+    """Across hosts recursive doubling would carry the whole message over the link once
+    per rank: above ACROSS_HOSTS_SMALL_BYTES the two-level or ring routes run."""
+    from netdist.collectives.routes import ACROSS_HOSTS_SMALL_BYTES, small_bytes
+
+    assert small_bytes(SMALL, across_hosts=False) == MIB
+    assert small_bytes(SMALL, across_hosts=True) == ACROSS_HOSTS_SMALL_BYTES == 64 * KIB
+    assert small_bytes(Tuning(small_message_bytes=KIB), across_hosts=True) == KIB
+    mid = 256 * KIB
+    assert plan(Operation.ALL_REDUCE, mid, 4, 8, SMALL).otherwise is A.DOUBLING
+    across = plan(Operation.ALL_REDUCE, mid, 4, 8, SMALL, across_hosts=True)
+    assert across.turn is Turn.HOST and across.otherwise is A.RING
+    assert across.settle(arena=HIER, single_copy=True) is A.TWO_LEVEL
+    assert plan(Operation.ALL_REDUCE, 64 * KIB, 4, 8, SMALL,
+                across_hosts=True).otherwise is A.DOUBLING
+    assert all_gather_algorithm(plan(Operation.ALL_GATHER, UNKNOWN_SIZE, 4, 8, SMALL, True),
+                                mid, 4, 8, HIER, SMALL, True, True)[0] is A.TWO_LEVEL

@@ -49,12 +49,19 @@ def test_layout_hierarchical_groups_by_key_in_rank_order() -> None:
 
 @pytest.mark.parametrize("keys, enabled", [
     ([b"a", b"b", b"c"], [True] * 3),         # nobody shares a host
-    ([b"a", b"a", b"b"], [True] * 3),         # uneven hosts
     ([b"a"] * 3, [True, False, True]),        # one rank has it off
     ([b"a"] * 33, [True] * 33),                # more ranks on a host than MAX_LOCAL_RANKS
 ])
 def test_layout_falls_back_to_tcp(keys: list[bytes], enabled: list[bool]) -> None:
     assert HostLayout.from_keys(keys, enabled, rank=0).mode is LocalMode.TCP
+
+
+def test_layout_uneven_hosts_lane_by_the_smallest_host() -> None:
+    layout = HostLayout.from_keys([b"a", b"b", b"b", b"c", b"c", b"c"], [True] * 6, rank=4)
+    assert layout.mode is LocalMode.UNEVEN_HOSTS
+    assert layout.hosts == ((0,), (1, 2), (3, 4, 5))
+    assert (layout.host, layout.local, layout.lanes) == (2, 1, 1)
+    assert layout.lane(0) == (0, 1, 3) and layout.host_of(2) == 1
 
 
 def test_max_local_ranks_is_the_bound_used_above() -> None:
@@ -318,7 +325,7 @@ async def test_single_copy_all_reduce_of_different_sizes_is_a_mismatch_error() -
 
     errors = await run_ranks(2, body, small_message_bytes=RING, shared_memory=True,
                              shm_copy=ShmCopy.SINGLE)
-    assert "group rank 1 all-reduces 24000 bytes, group rank 0 20000" in errors[0]
+    assert "group rank 1 has a 24000-byte array in this all_reduce, group rank 0 20000" in errors[0]
     assert "every rank must pass the same shape and dtype" in errors[0]
 
 

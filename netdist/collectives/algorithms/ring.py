@@ -188,17 +188,19 @@ async def ring_all_reduce(chan: Channel, flat: np.ndarray, op: ReduceOp, segment
 
 
 async def ring_reduce_scatter(chan: Channel, flat: np.ndarray, op: ReduceOp,
-                              out: np.ndarray, segment: int) -> None:
+                              out: np.ndarray, segment: int,
+                              chunks: tuple[tuple[int, int], ...] | None = None) -> None:
     """Ring reduce-scatter of the 1-D ``flat`` into ``out`` (this rank's chunk).
 
     ``flat`` is left unchanged: partial sums travel through a two-slot scratch area (one
     slot per step parity), and the last step lands in ``out`` and is reduced there.
+    ``chunks`` are the ranks' chunks of ``flat`` (default ``chunk_bounds``).
     """
     n = chan.world_size
     if n == 1:
         out[...] = flat
         return
-    plan = chan.plan(ring_reduce_scatter_plan, chan.rank, n, flat.size, segment)
+    plan = chan.plan(ring_reduce_scatter_plan, chan.rank, n, flat.size, segment, chunks)
     longest = max(b - a for a, b in plan.chunks)
     with chan.scratch(2 * longest * flat.itemsize) as raw:
         area = raw[:2 * longest * flat.itemsize].view(flat.dtype)
@@ -232,23 +234,40 @@ async def ring_reduce_scatter(chan: Channel, flat: np.ndarray, op: ReduceOp,
 
 
 async def ring_all_gather(chan: Channel, out_flat: np.ndarray,
-                          chunks: tuple[tuple[int, int], ...], segment: int) -> None:
+                          chunks: tuple[tuple[int, int], ...], segment: int,
+                          on_segment: Callable[[int, int], None] | None = None) -> None:
     """Ring all-gather into the 1-D ``out_flat``; this rank's chunk must already be there.
 
-    Every incoming segment is received straight into its final place.
+    Every incoming segment is received straight into its final place;
+    ``on_segment(start, stop)`` runs as each one lands (a two-level gather passes it on).
     """
     plan = chan.plan(ring_all_gather_plan, chan.rank, chan.world_size, chunks, segment)
     recvs = [(out_flat[r.start:r.stop], -1, -1) for r in plan.recvs]
     await run_pipeline(chan, plan.send_to, _ring_sends(plan, out_flat), plan.recv_from,
-                       recvs)
+                       recvs, _landed(on_segment, [(r.start, r.stop) for r in plan.recvs]))
 
 
-async def chain_broadcast(chan: Channel, flat: np.ndarray, root: int, segment: int) -> None:
-    """Pipelined chain broadcast of the 1-D ``flat`` from group rank ``root``, in place."""
+async def chain_broadcast(chan: Channel, flat: np.ndarray, root: int, segment: int,
+                          on_segment: Callable[[int, int], None] | None = None) -> None:
+    """Pipelined chain broadcast of the 1-D ``flat`` from group rank ``root``, in place;
+    ``on_segment(start, stop)`` runs as each segment lands (not on the root)."""
     plan = chan.plan(chain_broadcast_plan, chan.rank, chan.world_size, root, flat.size,
                      segment)
     relay = plan.recv_from >= 0
     sends = ([] if plan.send_to < 0 else
              [(flat[a:b], k if relay else -1) for k, (a, b) in enumerate(plan.segments)])
     recvs = ([] if not relay else [(flat[a:b], -1, -1) for a, b in plan.segments])
-    await run_pipeline(chan, plan.send_to, sends, plan.recv_from, recvs)
+    await run_pipeline(chan, plan.send_to, sends, plan.recv_from, recvs,
+                       _landed(on_segment, plan.segments))
+
+
+def _landed(on_segment: Callable[[int, int], None] | None,
+            bounds: Sequence[tuple[int, int]]) -> Callable[[int], None] | None:
+    """``run_pipeline``'s ``on_recv`` calling ``on_segment`` with receive ``j``'s bounds."""
+    if on_segment is None:
+        return None
+
+    def on_recv(j: int) -> None:
+        on_segment(*bounds[j])
+
+    return on_recv

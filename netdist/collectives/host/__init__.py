@@ -3,8 +3,8 @@
 Ranks on one host need not push payloads through loopback TCP: they can share memory.
 A ``Group`` keeps TCP for its signals and deadlines, and moves the bytes of its
 collectives among same-host ranks through memory instead, when every rank allows it
-(``NETDIST_SHM``) and the hosts hold equal numbers of the group's ranks. How the modules
-fit, bottom up:
+(``NETDIST_SHM``). Across hosts, the two-level schedules fold inside each host and carry
+every rank's share across. How the modules fit, bottom up:
 
 - ``layout`` (PURE): which group ranks share a host (from the transport's host keys,
   ``netdist.transport.host_identity``) and so which mode the group uses: TCP, one host,
@@ -15,6 +15,10 @@ fit, bottom up:
 - ``turns``: ``TurnQueue``, collectives that share one resource take it in issue order.
 - ``arena``: ``HostArena`` and ``HostPath``, large all-reduces and broadcasts through a
   segment's slots (or single copy through ``attach``), and the setup every rank agrees on.
+- ``peer_arrays``: ``PeerArrays``, one collective's single-copy reach into the arrays of
+  the host's other ranks, and the one fold order.
+- ``two_level``: all-reduce, reduce-scatter, all-gather and broadcast across hosts at the
+  links' bound (fold inside a host, lanes across, pipelined in pieces).
 - ``lane``: ``LanePath``, small all-reduces (up to ``LANE_BYTES``) through a segment that
   the ranks poll, with TCP wake-ups.
 
@@ -40,6 +44,11 @@ _EXPORTS: dict[str, str] = {
     "HostPath": "netdist.collectives.host.arena",
     "host_all_reduce": "netdist.collectives.host.arena",
     "host_broadcast": "netdist.collectives.host.arena",
+    "PeerArrays": "netdist.collectives.host.peer_arrays",
+    "two_level_all_reduce": "netdist.collectives.host.two_level",
+    "two_level_reduce_scatter": "netdist.collectives.host.two_level",
+    "two_level_all_gather": "netdist.collectives.host.two_level",
+    "two_level_broadcast": "netdist.collectives.host.two_level",
     "DEFAULT_SLOT_BYTES": "netdist.collectives.host.arena",
     "HostLane": "netdist.collectives.host.lane",
     "LanePath": "netdist.collectives.host.lane",
@@ -60,6 +69,11 @@ __all__ = [
     "HostPath",
     "host_all_reduce",
     "host_broadcast",
+    "PeerArrays",
+    "two_level_all_reduce",
+    "two_level_reduce_scatter",
+    "two_level_all_gather",
+    "two_level_broadcast",
     "DEFAULT_SLOT_BYTES",
     "HostLane",
     "LanePath",
@@ -76,6 +90,7 @@ if TYPE_CHECKING:
     )
     from netdist.collectives.host.lane import LANE_BYTES, HostLane, LanePath
     from netdist.collectives.host.layout import MAX_LOCAL_RANKS, HostLayout, LocalMode
+    from netdist.collectives.host.peer_arrays import PeerArrays
     from netdist.collectives.host.segments import SegmentLocator, SharedSegment
     from netdist.collectives.host.settings import (
         ShmCopy,
@@ -83,6 +98,12 @@ if TYPE_CHECKING:
         shared_memory_enabled,
     )
     from netdist.collectives.host.turns import TurnQueue
+    from netdist.collectives.host.two_level import (
+        two_level_all_gather,
+        two_level_all_reduce,
+        two_level_broadcast,
+        two_level_reduce_scatter,
+    )
 else:
     from netdist._lazy import attach as _attach
 

@@ -23,8 +23,8 @@ slot again (round ``k + 2``) only after everyone signalled ``red`` for round ``k
 folds into the parity-p result only after everyone signalled ``in`` for round ``k + 2``,
 which each rank does after copying round ``k``'s result out.
 
-Single copy (``ShmCopy.SINGLE``, the default where the kernel allows it): the slots are
-skipped and the ranks reach into each other's arrays themselves (cross-memory attach,
+Single copy (``ShmCopy.SINGLE``, the default where the kernel allows it; ``peer_arrays``):
+on one host the slots are skipped and the ranks reach into each other's arrays themselves (cross-memory attach,
 ``attach.py``). Every rank sends its array's address (the ``in`` signal); rank ``j``
 then owns chunk ``j``: block by block it reads each peer's block into a cache-sized
 buffer, folds them straight into its own array, and writes the reduced block, still in
@@ -44,10 +44,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
-import struct
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 import msgpack
@@ -56,12 +54,13 @@ import numpy as np
 from netdist.collectives.channel import Channel
 from netdist.collectives.host import attach
 from netdist.collectives.host.layout import HostLayout, LocalMode
+from netdist.collectives.host.peer_arrays import FOLD_BLOCK_BYTES, PeerArrays, fold_block
 from netdist.collectives.host.segments import SegmentLocator, SharedSegment
 from netdist.collectives.host.settings import ShmCopy
 from netdist.collectives.host.turns import TurnQueue
 from netdist.collectives.algorithms.ring import chain_broadcast, ring_all_reduce
 from netdist.collectives.algorithms.bruck import bruck_all_gather_blobs
-from netdist.errors import LocalProtocolError, PeerLostError, SharedMemoryError
+from netdist.errors import SharedMemoryError
 from netdist.sharding import chunk_bounds
 from netdist.transport.host_identity import host_key
 from netdist.reduce_kernels import combine, divide_into
@@ -85,13 +84,8 @@ SEGMENT_BUDGET = 256 * 1024 * 1024
 """With many ranks on a host, the largest slot shrinks so a segment stays within this
 (address space: pages are touched only as large collectives use them)."""
 
-FOLD_BLOCK_BYTES = 256 * 1024
-"""Single-copy fold: each peer's block is read into a buffer this size, which stays in
-cache while it is folded into the array and the result written to the peers."""
-
 _ALIGN = 64
 _SIGNAL = b"\x01"
-_ADDRESS = struct.Struct("<QQ")  # single copy: the array's address and byte count
 
 # sub-tags of the collective's tag (group.py reserves 0-7 for the TCP algorithms)
 _SUB_IN, _SUB_REDUCED, _SUB_GATHER_IN, _SUB_GATHER_DONE = 8, 9, 10, 11
@@ -137,6 +131,14 @@ class HostArena:
         self._pids = pids
         """Group rank -> process id of every rank of the host, when the ranks can read
         each other's memory (single copy); None keeps the staged path."""
+
+    async def peer_arrays(self, chan: Channel, array: np.ndarray, sub: int) -> PeerArrays:
+        """Announce ``array`` to this host's other ranks and learn theirs (single copy;
+        ``SharedMemoryError`` on an arena that stages its copies)."""
+        if self._pids is None:
+            raise SharedMemoryError("single-copy transfer on an arena that stages its copies")
+        return await PeerArrays.exchange(chan, self.layout.local_ranks, self._pids, array,
+                                         sub)
 
     @property
     def copy(self) -> ShmCopy:
@@ -246,86 +248,19 @@ class HostArena:
                                       divisor: int | None) -> None:
         """All-reduce by reaching into the peers' arrays directly (see the module
         docstring): fold this rank's chunk, push it to every peer, wait for theirs."""
-        order = self.layout.local_ranks
-        me = self.layout.local
-        chunks = chunk_bounds(flat.size, len(order))
-        await self._signal(chan, _SUB_IN, data=_ADDRESS.pack(flat.ctypes.data, flat.nbytes))
-        addresses = {}
-        for peer in self._peers:
-            addresses[peer] = self._address(await chan.recv(peer, sub=_SUB_IN), peer, flat)
-        a, b = chunks[me]
+        peers = await self.peer_arrays(chan, flat, _SUB_IN)
+        a, b = chunk_bounds(flat.size, self.local_size)[self.layout.local]
         block = max(1, FOLD_BLOCK_BYTES // flat.itemsize)
         with chan.scratch(2 * block * flat.itemsize) as raw:
             buffers = raw[:2 * block * flat.itemsize].view(flat.dtype)
+            pair = (buffers[:block], buffers[block:])
             for start in range(a, b, block):
-                stop = min(start + block, b)
-                self._fold_block(chan, op, flat, start, stop, addresses,
-                                 buffers[:stop - start], buffers[block:block + stop - start])
+                target = flat[start:min(start + block, b)]
+                fold_block(op, peers, target, start, target, pair)
                 if divisor is not None:
-                    divide_into(flat[start:stop], divisor)
-                offset = start * flat.itemsize
-                for peer in self._peers:
-                    self._remote(chan, peer, attach.write_from, addresses[peer] + offset,
-                                 flat[start:stop])
-        await self._signal(chan, _SUB_GATHER_DONE)
-        await self._wait(chan, _SUB_GATHER_DONE)  # every chunk is in; nobody reaches in
-
-    def _fold_block(self, chan: Channel, op: ReduceOp, flat: np.ndarray, start: int,
-                    stop: int, addresses: dict[int, int], first: np.ndarray,
-                    spare: np.ndarray) -> None:
-        """``flat[start:stop]`` = that block of every local rank's array folded in rank
-        order (lowest first, as the staged path folds, so the bits match)."""
-        order = self.layout.local_ranks
-        me = self.layout.local
-        target = flat[start:stop]
-
-        def operand(index: int, into: np.ndarray) -> np.ndarray:
-            if index == me:
-                return target
-            peer = order[index]
-            self._remote(chan, peer, attach.read_into, addresses[peer] + start * flat.itemsize,
-                         into)
-            return into
-
-        # ranks 0 and 1 fold straight into their own block; a higher rank's block is an
-        # operand later, so it accumulates in ``first`` and copies the result in at the end
-        low, high = operand(0, first), operand(1, spare)
-        acc = target if me <= 1 else first
-        combine(op, low, high, acc)
-        for index in range(2, len(order)):
-            combine(op, acc, operand(index, spare), acc)
-        if acc is not target:
-            target[...] = acc
-
-    def _address(self, message: np.ndarray, peer: int, flat: np.ndarray) -> int:
-        """The address in ``peer``'s announcement, after checking it is one for an array
-        of ``flat``'s size."""
-        raw = message.tobytes()
-        if len(raw) != _ADDRESS.size:
-            raise LocalProtocolError(f"group rank {peer} sent a {len(raw)}-byte array "
-                                     "announcement; single-copy shared memory expects "
-                                     f"{_ADDRESS.size}")
-        address, nbytes = _ADDRESS.unpack(raw)
-        if nbytes != flat.nbytes:
-            raise LocalProtocolError(f"group rank {peer} all-reduces {nbytes} bytes, "
-                                     f"group rank {self.layout.rank} {flat.nbytes}")
-        return int(address)
-
-    def _remote(self, chan: Channel, peer: int,
-                move: Callable[[int, int, np.ndarray], None], address: int,
-                local: np.ndarray) -> None:
-        """``move`` (``attach.read_into`` or ``attach.write_from``) ``local``'s bytes
-        from or to group rank ``peer``'s memory at ``address``."""
-        if self._pids is None:
-            raise SharedMemoryError("single-copy transfer on an arena that stages its copies")
-        try:
-            move(self._pids[peer], address, local)
-        except attach.RemoteReadError as exc:
-            if exc.errno == errno.ESRCH:
-                raise PeerLostError(chan.ranks[peer], f"group rank {peer}'s process is "
-                                    "gone (its memory cannot be reached)") from None
-            raise SharedMemoryError(f"cannot reach group rank {peer}'s array: "
-                                    f"{exc.strerror}") from None
+                    divide_into(target, divisor)
+                peers.write_all(start, target)
+        await peers.finish(_SUB_GATHER_DONE)  # every chunk is in; nobody reaches in
 
     async def reduce_scatter(self, chan: Channel, flat: np.ndarray, op: ReduceOp,
                              chunks: Sequence[tuple[int, int]], out: np.ndarray,
@@ -434,7 +369,7 @@ async def open_host_arena(chan: Channel, enabled: bool,
     segment, problem = await create_or_attach(
         chan, layout, enabled, HostArena.data_bytes(local_size, max_slot))
     token = (attach.ProbeToken() if copy is ShmCopy.SINGLE and attach.available()
-             and layout.mode is LocalMode.SINGLE_HOST else None)
+             else None)
     segment, targets = await agree_on_segment(
         chan, segment, problem, None if token is None else token.target.pack(),
         "collectives use TCP")
@@ -509,8 +444,6 @@ async def _agree_single_copy(chan: Channel, layout: HostLayout,
     """Group rank -> pid of the host's ranks if every rank read every other's probe
     token back (single copy), else None (staged; said once, at INFO). ``token`` is this
     rank's own, kept alive until everyone has probed it."""
-    if layout.mode is not LocalMode.SINGLE_HOST:
-        return None
     problem: str | None = None
     if token is None:
         problem = ("single copy is off on this rank (NETDIST_SHM_COPY=staged or "
@@ -617,7 +550,8 @@ async def host_all_reduce(chan: Channel, arena: HostArena, flat: np.ndarray, op:
     """All-reduce ``flat`` in place over the whole group: through the arena alone on one
     host; hierarchically (shared-memory reduce-scatter inside each host, ring all-reduce
     of each chunk across hosts between ranks of equal local index, shared-memory
-    all-gather) on several."""
+    all-gather, one stage after the other) on several hosts of equal size whose ranks
+    cannot reach each other's arrays (else ``two_level`` runs, pipelined)."""
     layout = arena.layout
     divisor = chan.world_size if mean else None
     if layout.mode is LocalMode.SINGLE_HOST:

@@ -24,13 +24,16 @@ class LocalMode(enum.Enum):
 
     TCP = "tcp"
     """Every payload over TCP: shared memory is off somewhere, or no two ranks share a host,
-    or the hosts hold different numbers of the group's ranks, or more than
-    ``MAX_LOCAL_RANKS``."""
+    or a host holds more than ``MAX_LOCAL_RANKS`` of the group's ranks."""
     SINGLE_HOST = "single-host"
     """All ranks on one host: payloads through one shared segment, TCP for signals only."""
     HIERARCHICAL = "hierarchical"
     """Several hosts with the same number (>= 2) of ranks each: inside a host through shared
     memory, across hosts over TCP between the ranks of equal local index."""
+    UNEVEN_HOSTS = "uneven hosts"
+    """Several hosts holding different numbers of the group's ranks, some two or more: the
+    two-level all-reduce and broadcast use ``lanes`` (the smallest host's rank count)
+    ranks per host across hosts; the other collectives go over TCP."""
 
 
 @dataclass(frozen=True)
@@ -54,11 +57,12 @@ class HostLayout:
         hosts = tuple(tuple(members) for members in order.values())
         host = next(h for h, members in enumerate(hosts) if rank in members)
         sizes = {len(members) for members in hosts}
-        if (not all(enabled) or max(sizes) < 2 or max(sizes) > MAX_LOCAL_RANKS
-                or len(sizes) > 1):
+        if not all(enabled) or max(sizes) < 2 or max(sizes) > MAX_LOCAL_RANKS:
             mode = LocalMode.TCP
         elif len(hosts) == 1:
             mode = LocalMode.SINGLE_HOST
+        elif len(sizes) > 1:
+            mode = LocalMode.UNEVEN_HOSTS
         else:
             mode = LocalMode.HIERARCHICAL
         return cls(mode, hosts, rank, host, hosts[host].index(rank))
@@ -70,8 +74,24 @@ class HostLayout:
 
     @property
     def cross_ranks(self) -> tuple[int, ...]:
-        """Group ranks with this rank's local index, one per host, in host order."""
+        """Group ranks with this rank's local index, one per host, in host order (hosts
+        with the same number of ranks each)."""
         return tuple(members[self.local] for members in self.hosts)
+
+    @property
+    def lanes(self) -> int:
+        """How many ranks of every host carry data across hosts: the smallest host's rank
+        count (local indices ``0 .. lanes - 1``)."""
+        return min(len(members) for members in self.hosts)
+
+    def lane(self, index: int) -> tuple[int, ...]:
+        """The group ranks of local index ``index`` (< ``lanes``), one per host, in host
+        order: the ranks that carry lane ``index``'s share across hosts."""
+        return tuple(members[index] for members in self.hosts)
+
+    def host_of(self, rank: int) -> int:
+        """The index in ``hosts`` of group rank ``rank``'s host."""
+        return next(h for h, members in enumerate(self.hosts) if rank in members)
 
     @property
     def is_leader(self) -> bool:

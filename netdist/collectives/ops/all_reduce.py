@@ -1,8 +1,8 @@
 """``all_reduce``: on the event loop, or started on the caller's thread.
 
-The route (``routes.plan``) is one of: the host arena or the pipelined ring (large), the
-shared-memory lane or recursive doubling (small enough for the lane), recursive doubling
-(small). ``start_eagerly`` is the lane route started on the caller's thread without the
+The route (``routes.plan``) is one of: the host arena, the two-level schedule across
+hosts or the pipelined ring (large), the shared-memory lane or recursive doubling (small
+enough for the lane), recursive doubling (small). ``start_eagerly`` is the lane route started on the caller's thread without the
 event loop, for a blocking caller holding the loop (``ProgressThread.try_call``), where a
 loop iteration costs more than the all-reduce itself; it runs only where ``plan`` gives
 the lane route and the lane is up, so both starts take the same turn in the same order.
@@ -17,6 +17,7 @@ import numpy as np
 
 from netdist.collectives.channel import Channel
 from netdist.collectives.host.arena import host_all_reduce
+from netdist.collectives.host.two_level import two_level_all_reduce
 from netdist.collectives.ops.arguments import WIRE_DTYPES, contiguous, in_place, reduce_op
 from netdist.collectives.ops.context import OpContext
 from netdist.collectives.algorithms.ring import ring_all_reduce
@@ -43,8 +44,12 @@ def prepare_all_reduce(ctx: OpContext, array: Any, op: ReduceOp | str) -> Body:
 
     async def body(chan: Channel) -> Any:
         if route.turn is Turn.HOST and ticket is not None:
-            async with ctx.arena_for(route, chan, ticket) as arena:
-                if arena is not None:
+            async with ctx.arena_for(route, chan, ticket) as (algorithm, arena):
+                if arena is not None and algorithm is Algorithm.TWO_LEVEL:
+                    await two_level_all_reduce(chan, arena, flat, op, n if mean else None,
+                                               ctx.tuning.segment_bytes,
+                                               ctx.tuning.pipeline_depth)
+                elif arena is not None:
                     await host_all_reduce(chan, arena, flat, op, mean, route.segment,
                                           ctx.tuning.pipeline_depth)
                 else:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from netdist.collectives.host.layout import LocalMode
+from netdist.collectives.host.settings import ShmCopy
 from netdist.collectives.host.lane import LanePath
 from netdist.collectives.host.arena import HostArena, HostPath
 from netdist.collectives.ops.arguments import timeout_value
@@ -24,7 +25,7 @@ from netdist.collectives.channel import Channel
 from netdist.collectives.routes import Algorithm, Operation, Route, Turn, Tuning, plan
 from netdist.transport.base import Transport
 
-__all__ = ["OpContext", "arena_mode"]
+__all__ = ["OpContext", "arena_mode", "settle", "spans_hosts"]
 
 
 @dataclass
@@ -43,6 +44,9 @@ class OpContext:
     """The group's default deadline of each call, in seconds."""
     tag_base: int
     """The group's tag namespace (``netdist.collectives.tags``)."""
+    across_hosts: bool = False
+    """The members span several hosts (by the transport's host keys): mid-sized messages
+    take the bandwidth-optimal routes (``routes.small_bytes``)."""
 
     @property
     def world_size(self) -> int:
@@ -71,7 +75,7 @@ class OpContext:
     def route(self, op: Operation, nbytes: int, itemsize: int) -> tuple[Route, int | None]:
         """The route of a call (``routes.plan``) and its turn's ticket, taken now, at issue,
         in issue order (``None``: the route takes no turn)."""
-        route = plan(op, nbytes, itemsize, len(self.ranks), self.tuning)
+        route = plan(op, nbytes, itemsize, len(self.ranks), self.tuning, self.across_hosts)
         if route.turn is Turn.HOST:
             return route, self.host.ticket()
         if route.turn is Turn.LANE:
@@ -79,16 +83,32 @@ class OpContext:
         return route, None
 
     @contextlib.asynccontextmanager
-    async def arena_for(self, route: Route, chan: Channel,
-                        ticket: int) -> AsyncIterator[HostArena | None]:
-        """Hold ``route``'s host turn (``ticket``) for the block and give the arena when
-        the route settles on it there (``Route.settle``), else ``None``: run the route's
-        TCP algorithm. Not on the small-message path (host turns are for large calls)."""
+    async def arena_for(self, route: Route, chan: Channel, ticket: int
+                        ) -> AsyncIterator[tuple[Algorithm, HostArena | None]]:
+        """Hold ``route``'s host turn (``ticket``) for the block and give the algorithm the
+        route settles on there (``Route.settle``) with the arena it runs on, or ``None``
+        with the route's TCP algorithm. Not on the small-message path (host turns are for
+        large calls)."""
         async with self.host.turn(chan, ticket) as arena:
-            settled = route.settle(arena=arena_mode(arena)) is Algorithm.ARENA
-            yield arena if settled else None
+            algorithm = settle(route, arena)
+            shared = algorithm in (Algorithm.ARENA, Algorithm.TWO_LEVEL)
+            yield algorithm, arena if shared else None
+
+
+def settle(route: Route, arena: HostArena | None) -> Algorithm:
+    """``route.settle`` for the arena a host turn gave (``None``: no arena)."""
+    if arena is None:
+        return route.settle()
+    return route.settle(arena=arena.layout.mode, single_copy=arena.copy is ShmCopy.SINGLE)
 
 
 def arena_mode(arena: HostArena | None) -> LocalMode | None:
     """The ``LocalMode`` of the arena a host turn gave (``None``: no arena)."""
     return None if arena is None else arena.layout.mode
+
+
+def spans_hosts(transport: Transport, ranks: tuple[int, ...]) -> bool:
+    """Whether the transport ranks ``ranks`` are on more than one host (by the host keys
+    the transport learnt at rendezvous; ``False`` where it knows none)."""
+    keys = transport.host_keys()
+    return keys is not None and len({keys[r] for r in ranks}) > 1

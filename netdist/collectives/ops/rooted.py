@@ -1,7 +1,7 @@
 """Collectives with a root: ``broadcast``, ``reduce``, ``gather``, ``scatter``.
 
 Routes (``routes.plan``): a binomial tree for small broadcasts and reduces; above the
-threshold the host arena or a pipelined chain (broadcast) and a ring reduce-scatter
+threshold the host arena, the two-level chain across hosts or a pipelined chain (broadcast) and a ring reduce-scatter
 followed by a direct gather to the root (reduce). ``gather`` and ``scatter`` are linear:
 the root talks to every rank at once, and arrays may differ in shape and dtype.
 """
@@ -15,6 +15,7 @@ import numpy as np
 
 from netdist.collectives.channel import Channel
 from netdist.collectives.host.arena import host_broadcast
+from netdist.collectives.host.two_level import two_level_broadcast
 from netdist.collectives.ops.arguments import check_array, contiguous, in_place, reduce_op, tensor_io
 from netdist.collectives.ops.context import OpContext
 from netdist.collectives.algorithms.ring import chain_broadcast, ring_reduce_scatter
@@ -42,8 +43,10 @@ def prepare_broadcast(ctx: OpContext, array: Any, src: int) -> Body:
 
     async def body(chan: Channel) -> Any:
         if route.turn is Turn.HOST and ticket is not None:
-            async with ctx.arena_for(route, chan, ticket) as arena:
-                if arena is not None:
+            async with ctx.arena_for(route, chan, ticket) as (algorithm, arena):
+                if arena is not None and algorithm is Algorithm.TWO_LEVEL:
+                    await two_level_broadcast(chan, arena, flat, src, route.segment)
+                elif arena is not None:
                     await host_broadcast(chan, arena, flat, src, route.segment)
                 else:
                     await chain_broadcast(chan, flat, src, route.segment)

@@ -2,8 +2,8 @@
 
 Both split along ``chunk_bounds`` (the first ``size % n`` chunks one element or row
 longer), the rule ``shard_tensor`` uses, so a reduce-scatter's output feeds an
-all-gather's ``out=`` directly. Routes: ``routes.plan`` (arena on one host or ring when
-large; the all-reduce or Bruck's all-gather when small).
+all-gather's ``out=`` directly. Routes: ``routes.plan`` (arena on one host, two-level
+across hosts of equal size, or ring when large; the all-reduce or Bruck's all-gather when small).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import numpy as np
 
 from netdist.collectives.channel import Channel, CollectiveMismatchError
 from netdist.collectives.host.arena import HostArena
+from netdist.collectives.host.settings import ShmCopy
+from netdist.collectives.host.two_level import two_level_all_gather, two_level_reduce_scatter
 from netdist.collectives.ops.arguments import check_array, contiguous, reduce_op, tensor_io
 from netdist.collectives.ops.context import OpContext, arena_mode
 from netdist.collectives.plan import offsets_from_sizes
@@ -74,8 +76,12 @@ def prepare_reduce_scatter(ctx: OpContext, array: Any, op: ReduceOp | str,
             await doubling_all_reduce(chan, scratch, op)
             out_flat[...] = scratch[lo:hi]
         else:
-            async with ctx.arena_for(route, chan, ticket) as arena:
-                if arena is not None:
+            async with ctx.arena_for(route, chan, ticket) as (algorithm, arena):
+                if arena is not None and algorithm is Algorithm.TWO_LEVEL:
+                    await two_level_reduce_scatter(chan, arena, flat, op,
+                                                   chunk_bounds(flat.size, n), out_flat,
+                                                   ctx.tuning.segment_bytes)
+                elif arena is not None:
                     await arena.reduce_scatter(chan, flat, op, chunk_bounds(flat.size, n),
                                                out_flat, None)
                 else:
@@ -139,13 +145,16 @@ def prepare_all_gather(ctx: OpContext, shard: Any, out: Any) -> Body:
         place, own = out_flat[a:b], mine.reshape(-1)
         if place.ctypes.data != own.ctypes.data:  # not already in place
             place[...] = own
-        algorithm, segment = all_gather_algorithm(route, out_flat.nbytes, out_flat.itemsize,
-                                                  n, arena_mode(arena), ctx.tuning)
+        algorithm, segment = all_gather_algorithm(
+            route, out_flat.nbytes, out_flat.itemsize, n, arena_mode(arena), ctx.tuning,
+            arena is not None and arena.copy is ShmCopy.SINGLE, ctx.across_hosts)
         if algorithm is not Algorithm.NOTHING:
             data = chan.derive(1)
             try:
                 if algorithm is Algorithm.ARENA and arena is not None:
                     await arena.all_gather(chan, out_flat, chunks)
+                elif algorithm is Algorithm.TWO_LEVEL and arena is not None:
+                    await two_level_all_gather(chan, arena, out_flat, chunks, segment)
                 elif algorithm is Algorithm.BRUCK:
                     await bruck_all_gather(data, out_flat, chunks)
                 else:
