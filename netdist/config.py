@@ -394,6 +394,12 @@ class DistributedConfig:
     connect: ConnectMode = ConnectMode.LAZY
     """When to connect to the peers: ``"lazy"`` (on first use, the default) or ``"eager"``
     (all of them at start-up); a ``ConnectMode`` or its value."""
+    host_id: str | None = None
+    """Stands in for ``NETDIST_HOST_ID`` in this rank's host key
+    (``netdist.transport.host_identity``): ranks of one machine with different values act
+    as different hosts. ``None`` (the default): the variable, if set. For several ranks
+    in one process (``local_tcp_group(n, host_ids=...)``), where one variable cannot
+    differ per rank."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -36,6 +36,7 @@ PURE = [
     "netdist.optim",
     "netdist.optim_kernels",
     "netdist.wire.*",
+    "netdist.transport.traffic",
     "netdist.compression.*",
     "netdist.collectives.plan",
     "netdist.collectives.routes",

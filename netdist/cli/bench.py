@@ -3,13 +3,15 @@
 Run directly, it starts N local ranks (``netdist.launcher.launch``) that each run this
 command again as workers; run under ``netdist launch`` (``NETDIST_RANK`` is set) it *is*
 a worker. Rank 0 prints an nccl-tests-style table (time median/min/max, algbw, busbw,
-correctness check); ``--json`` writes the rows, ``--plot`` draws busbw against size
-(needs matplotlib).
+correctness check), then, as ``#`` lines, the bytes it exchanged over the whole run per
+peer and per host link (``Transport.traffic``, warm-up included); ``--json`` writes the
+rows (and rank 0's traffic total), ``--plot`` draws busbw against size (needs matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -135,6 +137,7 @@ async def _worker(args: argparse.Namespace, sizes: list[int]) -> int:
 
     async with init() as transport:
         rank, n = transport.rank, transport.world_size
+        start = transport.traffic()
         meta: dict[str, Any] = {"op": args.op, "world_size": n, "dtype": args.dtype,
                                 "event_loop": event_loop_name(), "iters": args.iters,
                                 "warmup": args.warmup}
@@ -173,6 +176,10 @@ async def _worker(args: argparse.Namespace, sizes: list[int]) -> int:
                                            timeout=args.timeout, check=args.check,
                                            on_row=show if rank == 0 else None)
         if rank == 0:
+            traffic = transport.traffic() - start
+            print("\n".join(f"# {line}" for line in traffic.describe().splitlines()),
+                  flush=True)
+            meta["traffic"] = dataclasses.asdict(traffic.total)
             if args.json:
                 write_json(args.json, rows, meta)
             if args.plot and args.op != "p2p":

@@ -17,6 +17,8 @@ _EXPORTS: dict[str, str] = {
     "create_local_tcp_group": "netdist.transport.local_tcp",
     "local_tcp_group": "netdist.transport.local_tcp",
     "p2p_benchmark": "netdist.transport.probe",
+    "Traffic": "netdist.transport.traffic",
+    "PeerTraffic": "netdist.transport.traffic",
 }
 
 __all__ = [
@@ -28,6 +30,8 @@ __all__ = [
     "local_tcp_group",
     "p2p_benchmark",
     "MAX_TAG",
+    "Traffic",
+    "PeerTraffic",
 ]
 
 if TYPE_CHECKING:
@@ -37,6 +41,7 @@ if TYPE_CHECKING:
     from netdist.transport.local_tcp import create_local_tcp_group, local_tcp_group
     from netdist.transport.probe import p2p_benchmark
     from netdist.transport.tcp import TcpTransport
+    from netdist.transport.traffic import PeerTraffic, Traffic
 else:
     from netdist._lazy import attach as _attach
 

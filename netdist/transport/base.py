@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from netdist.errors import TransportClosedError
+from netdist.transport.traffic import PeerTraffic, Traffic
 
 __all__ = ["Transport", "MAX_TAG", "as_payload_array"]
 
@@ -147,6 +148,16 @@ class Transport(abc.ABC):
         order, as learnt when the job formed, or ``None`` if this transport does not know
         them (a ``Group`` then asks its members)."""
         return None
+
+    def traffic(self) -> Traffic:
+        """Bytes and messages exchanged with every peer so far, grouped by host too
+        (``netdist.transport.traffic``); subtract two snapshots to measure a window.
+
+        Transports that do not count (the default) report zeros for every peer.
+        """
+        zero = PeerTraffic()
+        return Traffic(self.rank, {peer: zero for peer in range(self.world_size)
+                                   if peer != self.rank}, self.host_keys())
 
     async def find_lost_peers(self, peers: Sequence[int], *,
                               timeout: float) -> dict[int, Exception]:

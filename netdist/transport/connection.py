@@ -56,6 +56,7 @@ from netdist.transport.os_errors import (
     lost_reason,
     transport_error,
 )
+from netdist.transport.traffic import TrafficCounter
 from netdist.wire import (
     NEED_DATA,
     ControlFrame,
@@ -188,6 +189,9 @@ class FrameConnection(asyncio.BufferedProtocol):
         """Receive callbacks so far; the liveness monitor turns changes into timestamps."""
         self.writes = 0
         """Frames written so far (data and control)."""
+        self.counts = TrafficCounter()
+        """Payload and wire bytes this connection moved (``netdist.transport.traffic``):
+        wire bytes from the first handshake byte on, payload once data frames flow."""
         self._seen = (0, 0)
         self.link = LinkWatch()
         """The kernel's view of the link (losses, acknowledgements) for liveness."""
@@ -341,6 +345,7 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.reads += 1
+        self.counts.wire_received_bytes += nbytes
         left = self._payload_left
         if left > nbytes:
             # fast path: the bytes went straight into the landing payload, more to come
@@ -420,6 +425,9 @@ class FrameConnection(asyncio.BufferedProtocol):
                 self._landing = None
                 if landing is None:  # pragma: no cover - decoder always sends DataStart
                     raise RemoteProtocolError("data frame ended without starting")
+                counts = self.counts
+                counts.received_bytes += self._landing_nbytes
+                counts.received_messages += 1
                 landing.complete()
             elif self.mailbox is None:
                 # Handshake or rendezvous phase: hand the frame to whoever drives it and
@@ -550,6 +558,7 @@ class FrameConnection(asyncio.BufferedProtocol):
             return False
         self.transport.write(frame)
         self.writes += 1
+        self.counts.wire_sent_bytes += len(frame)
         return True
 
     async def send_frame(self, buffers: Sequence[bytes | memoryview], tag: int,
@@ -560,6 +569,8 @@ class FrameConnection(asyncio.BufferedProtocol):
         time). Raises ``NetdistTimeoutError`` after ``deadline`` (loop time), or the
         connection's failure error. A timeout or cancellation after the first byte went
         out fails the connection, so the peer never takes a partial frame as data.
+        ``counts`` adds the payload bytes as they are handed to the socket and the message
+        once all of it was (see ``netdist.transport.traffic``).
         """
         peer = self.label
         if self._failure is not None:
@@ -580,11 +591,15 @@ class FrameConnection(asyncio.BufferedProtocol):
                 raise PeerLostError(self.peer_rank,
                                     f"connection to {peer} closed (tag {tag})")
             header = buffers[0]
+            counts = self.counts
             if payload_nbytes <= SMALL_FRAME_BYTES:
                 frame = header if len(buffers) == 1 else b"".join(buffers)
                 transport.write(frame)
                 written = payload_nbytes
                 self.writes += 1
+                counts.wire_sent_bytes += len(frame)
+                counts.sent_bytes += payload_nbytes
+                counts.sent_messages += 1
                 if transport.get_write_buffer_size() > SMALL_BACKLOG_BYTES:
                     await self._wait_drained(deadline)
                 return
@@ -592,17 +607,23 @@ class FrameConnection(asyncio.BufferedProtocol):
             if self._keeps_references:
                 transport.writelines([header, payload])
                 written = payload_nbytes
+                counts.wire_sent_bytes += len(header) + payload_nbytes
+                counts.sent_bytes += payload_nbytes
             else:
                 transport.write(header)
                 written = 0
+                counts.wire_sent_bytes += len(header)
                 chunk = COPYING_LOOP_CHUNK_BYTES
                 while written < payload_nbytes:
                     if transport.get_write_buffer_size() > 0:
                         await self._wait_drained(deadline)
                     end = min(written + chunk, payload_nbytes)
                     transport.write(payload[written:end])
+                    counts.wire_sent_bytes += end - written
+                    counts.sent_bytes += end - written
                     written = end
                     self.writes += 1
+            counts.sent_messages += 1  # handed over whole; the drain below frees memory
             await self._wait_drained(deadline)
             self.writes += 1
             written = _DONE  # the frame is entirely with the kernel

@@ -3,7 +3,8 @@
 Sending copies the payload straight into the receiver's landing buffer (the posted
 ``out=`` when there is one), so the semantics match ``TcpTransport``: ordered per
 (pair, tag), zero-copy-style receive into ``out=``, bounded waits, and closing one
-transport makes its peers see ``PeerLostError`` naming it.
+transport makes its peers see ``PeerLostError`` naming it. ``traffic()`` counts payload
+bytes and messages as ``TcpTransport`` does; wire bytes are 0 (there is no socket).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from netdist.transport.dissemination import dissemination_barrier
 from netdist.transport.base import Transport, as_payload_array
 from netdist.transport.host_identity import host_key
 from netdist.transport.mailbox import PeerMailbox, byte_view
+from netdist.transport.traffic import Traffic, TrafficCounter
 
 __all__ = ["InProcessTransport"]
 
@@ -40,6 +42,8 @@ class InProcessTransport(Transport):
         self.world_size = world_size
         self.timeout = timeout
         self._closed = False
+        self._counts = [TrafficCounter() for _ in range(world_size)]
+        """Per peer, what this rank sent it and received from it (own index unused)."""
 
     @classmethod
     def create_group(cls, world_size: int, *, timeout: float = 30.0) -> list[InProcessTransport]:
@@ -66,9 +70,15 @@ class InProcessTransport(Transport):
         if peer.closed:
             raise PeerLostError(dst, f"send to rank {dst} (tag {tag}): rank {dst} has closed")
         landing = self._hub.boxes[dst][self.rank].claim(tag, array.dtype, array.shape)
-        if array.nbytes:
+        nbytes = array.nbytes
+        if nbytes:
             landing.buffer[...] = byte_view(array)
         landing.complete()
+        sent, received = self._counts[dst], peer._counts[self.rank]
+        sent.sent_bytes += nbytes
+        sent.sent_messages += 1
+        received.received_bytes += nbytes  # it has fully arrived: it landed just now
+        received.received_messages += 1
         await asyncio.sleep(0)  # let receivers run, as a socket write would
 
     async def recv(self, src: int, *, tag: int = 0, out: np.ndarray | None = None,
@@ -81,6 +91,12 @@ class InProcessTransport(Transport):
 
     def host_keys(self) -> tuple[bytes, ...] | None:
         return (host_key(),) * self.world_size  # every rank lives in this process
+
+    def traffic(self) -> Traffic:
+        """Payload bytes and messages per peer (wire bytes 0: no socket)."""
+        return Traffic(self.rank, {peer: counts.snapshot()
+                                   for peer, counts in enumerate(self._counts)
+                                   if peer != self.rank}, self.host_keys())
 
     def lost_peer_error(self, peer: int) -> Exception | None:
         if not 0 <= peer < self.world_size or peer == self.rank:

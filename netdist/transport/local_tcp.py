@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from netdist.config import DistributedConfig
@@ -21,20 +21,29 @@ from netdist.transport.tcp import TcpTransport
 __all__ = ["create_local_tcp_group", "local_tcp_group"]
 
 
-async def create_local_tcp_group(n: int, **config_overrides: Any) -> list[TcpTransport]:
+async def create_local_tcp_group(n: int, *, host_ids: Sequence[str | None] | None = None,
+                                 **config_overrides: Any) -> list[TcpTransport]:
     """Connect ``n`` ``TcpTransport`` ranks over 127.0.0.1; rank i at index i.
 
     ``config_overrides`` are ``DistributedConfig`` fields (``timeout``,
     ``heartbeat_interval``, ``limits``, ...). A random job id and token are used unless
-    given. The caller closes the transports (or use ``local_tcp_group``). The ranks
-    connect as tasks of one ``asyncio.TaskGroup``: rank 0 first (it runs the
-    coordinator), the others once its address is known. If any rank fails to connect,
+    given. ``host_ids`` gives each rank its ``DistributedConfig.host_id``, so ranks of this
+    one process can act as several hosts (``["a", "a", "b", "b"]``: two hosts). The
+    caller closes the transports (or use ``local_tcp_group``). The ranks connect as
+    tasks of one ``asyncio.TaskGroup``: rank 0 first (it runs the coordinator), the
+    others once its address is known. If any rank fails to connect,
     the others are cancelled, every transport that did connect is closed and the first
     error is raised as itself (not as an ``ExceptionGroup``); cancelling the caller
-    cleans up the same way. ``n < 1`` is a ``ConfigError``.
+    cleans up the same way. ``n < 1`` and a ``host_ids`` of another length are a
+    ``ConfigError``.
     """
     if n < 1:
         raise ConfigError(f"create_local_tcp_group: n must be >= 1, got {n}")
+    if host_ids is not None and len(host_ids) != n:
+        raise ConfigError(f"create_local_tcp_group: {len(host_ids)} host_ids for {n} ranks")
+    if host_ids is not None and "host_id" in config_overrides:
+        raise ConfigError("create_local_tcp_group: give host_ids or host_id, not both")
+
     settings: dict[str, Any] = {
         "job_id": f"local-{secrets.token_hex(4)}",
         "token": secrets.token_hex(16),
@@ -46,8 +55,13 @@ async def create_local_tcp_group(n: int, **config_overrides: Any) -> list[TcpTra
     }
     settings.update(config_overrides)
     settings["world_size"] = n
+
+    def config_for(rank: int) -> DistributedConfig:
+        config = DistributedConfig(rank=rank, **settings)
+        return config if host_ids is None else config.replace(host_id=host_ids[rank])
+
     if n == 1:
-        return [await TcpTransport.connect(DistributedConfig(rank=0, **settings))]
+        return [await TcpTransport.connect(config_for(0))]
     ready: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
     connected: dict[int, TcpTransport] = {}
 
@@ -68,10 +82,10 @@ async def create_local_tcp_group(n: int, **config_overrides: Any) -> list[TcpTra
     first_error: BaseException | None = None
     try:
         async with asyncio.TaskGroup() as ranks:
-            ranks.create_task(join_coordinator(DistributedConfig(rank=0, **settings)))
+            ranks.create_task(join_coordinator(config_for(0)))
             settings["coordinator"] = await ready  # rank 0 failing first cancels this wait
             for rank in range(1, n):
-                ranks.create_task(join(DistributedConfig(rank=rank, **settings)))
+                ranks.create_task(join(config_for(rank)))
     except BaseExceptionGroup as failures:
         first_error = _first_error(failures)
     except BaseException:
@@ -100,9 +114,10 @@ async def _aclose_all(transports: Iterable[TcpTransport]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def local_tcp_group(n: int, **config_overrides: Any) -> AsyncIterator[list[TcpTransport]]:
+async def local_tcp_group(n: int, *, host_ids: Sequence[str | None] | None = None,
+                          **config_overrides: Any) -> AsyncIterator[list[TcpTransport]]:
     """``async with local_tcp_group(4) as transports:`` -- closed on exit, even on error."""
-    transports = await create_local_tcp_group(n, **config_overrides)
+    transports = await create_local_tcp_group(n, host_ids=host_ids, **config_overrides)
     try:
         yield transports
     finally:

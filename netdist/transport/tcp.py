@@ -102,6 +102,7 @@ from netdist.transport.host_identity import host_key
 from netdist.transport.mailbox import PeerMailbox
 from netdist.transport.os_errors import Stage, map_os_errors
 from netdist.transport.spin import SpinPolicy, default_spin_seconds, ranks_sharing_host
+from netdist.transport.traffic import PeerTraffic, Traffic
 from netdist.transport.rendezvous import (
     Coordinator,
     OnCoordinatorReady,
@@ -221,7 +222,7 @@ class TcpTransport(Transport):
                 insecure=config.insecure, what=f"rank {self.rank}'s peer listener",
                 fallback_to_all=config.listen_host is None)
             table = await client.register(PeerAddress(advertise, self.listen_address[1],
-                                                      host_key()))
+                                                      host_key(config.host_id)))
         finally:
             await client.aclose()
         self.peer_addresses = table
@@ -494,9 +495,24 @@ class TcpTransport(Transport):
     def host_keys(self) -> tuple[bytes, ...] | None:
         """Every rank's host key from the rendezvous table (``None`` if one is missing)."""
         if self.world_size == 1:
-            return (host_key(),)
+            return (host_key(self.config.host_id),)
         keys = tuple(entry.host_key for entry in self.peer_addresses)
         return keys if len(keys) == self.world_size and all(keys) else None
+
+    def traffic(self) -> Traffic:
+        """Payload and wire bytes exchanged with every peer so far, and by host.
+
+        Per peer, the counts of the connection that carries its traffic (kept after it
+        fails, so a lost peer's counts stay): wire bytes include that connection's
+        handshake, heartbeats and goodbye; a duplicate connection refused while both ranks
+        dialled at once is not counted. A peer never connected to reads zero. Call it on
+        the transport's event loop (``job.transport.traffic()`` does, from any thread).
+        """
+        zero = PeerTraffic()
+        return Traffic(self.rank, {
+            peer: zero if conn is None else conn.counts.snapshot()
+            for peer, conn in enumerate(self._connections) if peer != self.rank},
+            self.host_keys())
 
     def connected_peers(self) -> tuple[int, ...]:
         """Ranks this rank holds a live authenticated connection to, ascending.

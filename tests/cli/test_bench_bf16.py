@@ -38,4 +38,7 @@ def test_bench_bfloat16_without_ml_dtypes(tmp_path: Path, op: str) -> None:
     rows = [(r["dtype"], r["count"], r["check"]) for r in report["rows"]]
     assert rows == [("bfloat16", 3, "ok"), ("bfloat16", 48, "ok"),
                     ("bfloat16", 30720, "ok")], result.stdout
-    assert "ok" in result.stdout.splitlines()[-1]
+    table = [line for line in result.stdout.splitlines() if not line.startswith("#")]
+    assert "ok" in table[-1]
+    assert "# rank 0 total: sent " in result.stdout  # its traffic, after the table
+    assert report["meta"]["traffic"]["sent_bytes"] > 0
