@@ -3,9 +3,10 @@
 Hosts here are told apart by ``NETDIST_HOST_ID`` on 127.0.0.1 (the transport's host
 keys, exactly what separate machines give): layouts 2x1, 2x2 and three hosts with 1, 2
 and 3 ranks, through netdist's own API (single copy and staged) and through
-``torch.distributed``; ``tests/collectives/two_level_worker.py`` checks every result
-against the single-host one. The same across network namespaces with shaped links, and
-the byte counts on each link, are in ``tests/multihost/``.
+``torch.distributed``; ``tests/multihost/two_level_worker.py`` checks every result
+against the single-host one. The byte counts on each link are in
+``test_two_level_traffic.py``; the same across network namespaces with shaped links in
+``test_netns.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _run(layout: tuple[int, ...], *args: str, torch: bool = False,
                          WORLD_SIZE=str(world))
         return extra
 
-    procs = start_ranks(world, "tests.collectives.two_level_worker",
+    procs = start_ranks(world, "tests.multihost.two_level_worker",
                         [str(elements), *args, *(["--torch"] if torch else [])],
                         timeout=60, job_prefix="twolevel", env=env)
     outputs = []

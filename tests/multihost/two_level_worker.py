@@ -1,7 +1,7 @@
 """One rank of a job whose hosts are told apart by ``NETDIST_HOST_ID`` (or by network
 namespaces): every large collective, in every dtype, checked bit for bit.
 
-    python -m tests.collectives.two_level_worker ELEMENTS [--staged] [--torch]
+    python -m tests.multihost.two_level_worker ELEMENTS [--staged] [--torch]
 
 Inputs are small integers in each dtype (``netdist.collectives.benchmark``'s patterns),
 so every sum is exact in every order: the expected result is the single-host one, and
