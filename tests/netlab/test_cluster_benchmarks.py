@@ -1,7 +1,8 @@
-"""``benchmarks/multihost.py --quick`` runs end to end, so the cross-host benchmark cannot
-rot: every column (Gloo, netdist through torch, netdist's own API) measures every op on
-a 2x1 cluster, netdist's results pass their check, and the targets are judged. No timing
-is asserted."""
+"""The benchmarks that run their ranks on netlab hosts keep running, so they cannot rot:
+``benchmarks/multihost.py --quick`` (every column, Gloo, netdist through torch and
+netdist's own API, measures every op on a 2x1 cluster and netdist's results pass their
+check; the bounds and targets are checked on their own) and ``benchmarks/torch_ddp.py
+--quick --layout``. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -87,3 +88,24 @@ def test_bounds_and_targets() -> None:
         ("netdist all_gather 16M at 2x1 >= 90% of the link", True),
         ("netdist all_reduce never slower than gloo from 1M up (worst 0.91x, 64M at 4x2)",
          True)]
+
+
+@pytest.mark.timeout(BOUND + 30)
+def test_torch_ddp_runs_its_ranks_on_cluster_hosts(tmp_path: Path) -> None:
+    require_netlab()
+    pytest.importorskip("torch")
+    out = tmp_path / "torch_ddp.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NETDIST_")}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "torch_ddp.py"), "--quick", "--layout",
+         "1,2", "--rate-mbit", "1000", "--child-timeout", str(BOUND / 3), "--json", str(out)],
+        capture_output=True, text=True, timeout=BOUND, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cluster 1,2 (2 hosts, 1000 Mbit/s links)" in done.stdout
+    result = json.loads(out.read_text())
+    assert (result["layout"], result["rate_mbit"], result["failed_jobs"]) == ("1,2", 1000.0, [])
+    (ddp,) = result["ddp"]
+    assert ddp["world_size"] == 3 and ddp["losses_equal"] is True
+    assert [(row["world_size"], row["size"]) for row in result["all_reduce"]] == [
+        (3, 8), (3, 1024 * 1024)]
