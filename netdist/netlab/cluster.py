@@ -13,7 +13,9 @@ torch.distributed and Gloo) reads; ``start`` runs one argv per rank in its host 
 ``wait`` waits for all with one deadline (``netdist.netlab.processes``). ``cut(h)``
 makes host ``h`` silently drop everything it sends and everything sent to it (both ends
 of its link get a queue that holds nothing, ``pfifo limit 0``: no error reaches a sender,
-as when a cable is pulled); ``heal(h)`` restores its link.
+as when a cable is pulled); ``heal(h)`` restores its link (and flushes the hosts'
+neighbour caches, so no address resolution left failing by the cut fails a new
+connection).
 
 Needs root (``netdist.netlab.netlab_missing``). A cluster only touches the namespaces its
 lab created; ``close()`` (or leaving the ``with`` block, however it is left) kills the
@@ -23,6 +25,7 @@ ranks still running and, for a cluster made by ``Cluster.create``, deletes its l
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -156,10 +159,11 @@ class Cluster:
     def start(self, argv_for_rank: Callable[[int], Sequence[str]], *,
               port: int = DEFAULT_PORT, token: str | None = None, torch: bool = False,
               extra: Mapping[str, str] | None = None, passthrough: Sequence[int] = (),
-              cwd: str | None = None) -> list[RankProcess]:
-        """Start ``argv_for_rank(r)`` for every rank in its host with ``rank_env``; the
-        output of the ranks in ``passthrough`` goes to this process's, the others' is
-        kept for ``wait``. A rank that fails to start kills those already started."""
+              cwd: str | None = None) -> list[subprocess.Popen[bytes]]:
+        """Start ``argv_for_rank(r)`` for every rank in its host with ``rank_env``, each
+        in a session of its own; their processes in rank order. The output of the ranks
+        in ``passthrough`` goes to this process's, the others' is kept for ``wait``. A
+        rank that fails to start kills those already started."""
         if self._ranks:
             raise RuntimeError("this cluster's ranks are running: wait() for them first")
         try:
@@ -172,7 +176,7 @@ class Cluster:
         except BaseException:
             self._kill_ranks()
             raise
-        return [r for r in self._ranks]
+        return [r.process for r in self._ranks]
 
     def wait(self, timeout: float) -> list[RankResult]:
         """Wait up to ``timeout`` seconds for the ranks ``start`` started; when one fails
@@ -200,8 +204,15 @@ class Cluster:
         self.lab.block(self.switch, port)
 
     def heal(self, host: int) -> None:
-        """Undo ``cut(host)``: its link carries traffic again, shaped as before."""
+        """Undo ``cut(host)``: its link carries traffic again, shaped as before.
+
+        Every host also forgets its neighbours (``ip neigh flush``): an address
+        resolution that was failing during the cut would otherwise fail the first
+        connection attempts after it (the kernel reports "host unreachable" to packets
+        queued on a resolution that gives up)."""
         self._shape(host)
+        for h, peer in enumerate(self.hosts):
+            self.lab.exec(peer, "ip", "neigh", "flush", "dev", self._devices[h][0])
 
     # -- teardown -----------------------------------------------------------------------
 

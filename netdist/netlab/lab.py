@@ -28,7 +28,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from netdist.netlab.cluster import Cluster
@@ -238,7 +238,7 @@ class NetLab:
         return link
 
     def popen(self, host: Host, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-              **kwargs: object) -> subprocess.Popen[bytes]:
+              **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` in ``host`` (``ip netns exec``); the caller bounds and reaps it."""
         return subprocess.Popen(["ip", "netns", "exec", host.name, *argv],
                                 env=None if env is None else dict(env),
