@@ -53,8 +53,13 @@ the top entries are printed: where the time goes.
     python benchmarks/torch_ddp.py --rounds 3 --json out.json
     python benchmarks/torch_ddp.py --quick                 # smoke test: tiny sizes
     python benchmarks/torch_ddp.py --candidate gloo        # gloo against gloo
+    python benchmarks/torch_ddp.py --layout 2x2 --rate-mbit 1000   # as root, see below
 
-Every job is bounded by ``--child-timeout``; loopback only.
+``--layout HxR`` runs every job's ranks on test hosts instead of loopback: a
+``netdist.netlab`` cluster of H network namespaces with R ranks each, on one switch,
+every host's link shaped to ``--rate-mbit`` both ways (default 1000); the world size is
+the layout's (H * R) and all_reduce is timed in the same jobs. It needs root. Every job
+is bounded by ``--child-timeout``.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ import io
 import json
 import os
 import pstats
+import secrets
 import socket
 import statistics
 import sys
@@ -73,6 +79,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
@@ -387,9 +394,32 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _launch_in_cluster(cluster: Any, argv: list[str], env: dict[str, str],
+                       timeout: float) -> int:
+    """Run ``argv`` on every rank of a ``netdist.netlab`` cluster (torch's variables set
+    by ``Cluster.rank_env``); the first failing rank's exit status, else 0."""
+    global _cluster_jobs
+    _cluster_jobs += 1
+    env = dict(env, PYTHONPATH=os.pathsep.join(
+        p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    results = cluster.run(lambda rank: argv, timeout, port=29500 + 2 * _cluster_jobs,
+                          token=secrets.token_hex(16), torch=True, extra=env)
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        how = "killed" if r.killed else f"exit {r.returncode}"
+        print(f"# rank {r.rank} ({how}); stderr ends:\n{r.stderr[-1500:]}", file=sys.stderr,
+              flush=True)
+    return next((r.returncode or 1 for r in failed), 0)
+
+
+_cluster_jobs = 0
+"""Jobs run in clusters so far: each takes ports of its own (no wait on TIME_WAIT)."""
+
+
 def run_job(spec: dict[str, Any], n: int, timeout: float,
-            keep_profile: bool = False) -> dict[str, Any] | None:
-    """Launch one job of ``n`` ranks; return its merged result, or None if it failed.
+            keep_profile: bool = False, cluster: Any = None) -> dict[str, Any] | None:
+    """Launch one job of ``n`` ranks (on loopback, or on ``cluster``'s hosts); return its
+    merged result, or None if it failed.
 
     Merged: per timed iteration, the slowest rank's time. With ``keep_profile``, the
     profile reports rank 0 wrote come back under ``"profiles"``.
@@ -401,10 +431,13 @@ def run_job(spec: dict[str, Any], n: int, timeout: float,
         spec_path = os.path.join(tmp, "spec.json")
         Path(spec_path).write_text(json.dumps(spec))
         threads = str(spec["threads"])
-        code = launch([sys.executable, HERE, "--worker", spec_path], n, timeout=timeout,
-                      env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": threads,
-                           "MKL_NUM_THREADS": threads, "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(_free_port())})
+        argv = [sys.executable, HERE, "--worker", spec_path]
+        env = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        if cluster is not None:
+            code = _launch_in_cluster(cluster, argv, env, timeout)
+        else:
+            code = launch(argv, n, timeout=timeout,
+                          env=dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())))
         paths = [Path(tmp, f"rank_{r}.json") for r in range(n)]
         if not all(p.exists() for p in paths):
             print(f"# {spec['backend']} n={n}: job failed (exit {code})", file=sys.stderr,
@@ -655,9 +688,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--candidate", default="netdist",
                         help="backend under test (default netdist; gloo to check the script)")
     parser.add_argument("--baseline", default="gloo")
-    parser.add_argument("--world-sizes", default="2,4", help="DDP world sizes")
-    parser.add_argument("--all-reduce-world-sizes", default="2",
-                        help="world sizes whose jobs also time all_reduce")
+    parser.add_argument("--world-sizes", default=None,
+                        help="DDP world sizes (default 2,4; with --layout, its world size)")
+    parser.add_argument("--all-reduce-world-sizes", default=None,
+                        help="world sizes whose jobs also time all_reduce (default 2; with "
+                             "--layout, its world size)")
+    parser.add_argument("--layout", default=None, metavar="HxR",
+                        help="run the ranks on H test hosts of R ranks (netdist.netlab "
+                             "network namespaces on a switch; needs root) instead of "
+                             "loopback")
+    parser.add_argument("--rate-mbit", type=float, default=1000.0,
+                        help="with --layout: each host's link rate, both ways (default 1000)")
     parser.add_argument("--sizes", default="8,16M,64M", help="all_reduce sizes in bytes")
     parser.add_argument("--widths", default="1024,4096,4096,1024",
                         help="MLP layer widths (default: 25.2 M parameters)")
@@ -687,8 +728,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(json.loads(Path(args.worker).read_text()))
         return 0
+    layout = None
+    if args.layout is not None:
+        from netdist.netlab import ClusterLayout, netlab_missing
+
+        try:
+            layout = ClusterLayout.parse(args.layout)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if args.world_sizes or args.all_reduce_world_sizes:
+            parser.error("--layout sets the world size: leave out --world-sizes and "
+                         "--all-reduce-world-sizes")
+        missing = netlab_missing()
+        if missing is not None:
+            print(f"torch_ddp.py --layout runs its ranks in network namespaces and cannot "
+                  f"here: {missing}", file=sys.stderr)
+            return 2
+        args.world_sizes = args.all_reduce_world_sizes = str(layout.world_size)
+    args.world_sizes = args.world_sizes or "2,4"
+    args.all_reduce_world_sizes = args.all_reduce_world_sizes or "2"
     if args.quick:
-        args.world_sizes = args.all_reduce_world_sizes = "2"
+        if layout is None:
+            args.world_sizes = args.all_reduce_world_sizes = "2"
         args.sizes, args.widths, args.batch = "8,1M", "64,128,64", 4
         args.steps, args.compute_steps, args.warmup = 3, 2, 1
         args.latency_iters, args.bw_iters, args.rounds = 20, 3, 1
@@ -727,8 +788,10 @@ def main(argv: list[str] | None = None) -> int:
         "bw_iters": args.bw_iters, "timeout": args.child_timeout, "profile": [],
         "profile_top": args.profile_top}
     torch_version = importlib.metadata.version("torch")  # importing torch here costs ~2 s
+    where = ("loopback" if layout is None else
+             f"cluster {layout} ({layout.hosts} hosts, {args.rate_mbit:g} Mbit/s links)")
     print(f"# torch {torch_version}, {cores} cores ({_load()}); {args.candidate} against "
-          f"{args.baseline}; {args.rounds} rounds, backend order alternating"
+          f"{args.baseline}; {args.rounds} rounds, backend order alternating; {where}"
           + (" (--quick: tiny sizes, the PASS/MISS lines below are no evidence)"
              if args.quick else ""), flush=True)
 
@@ -736,6 +799,22 @@ def main(argv: list[str] | None = None) -> int:
         return dict(spec_base, backend=backend_of[label], threads=max(1, cores // n),
                     sizes=sizes if n in ar_sizes else [])
 
+    stack = ExitStack()
+    cluster = None
+    if layout is not None:
+        from netdist.netlab import Cluster
+
+        cluster = stack.enter_context(Cluster.create(layout, rate_mbit=args.rate_mbit))
+    with stack:
+        return _run_rounds(args, labels, world_sizes, sizes, spec_base, spec_for, cores,
+                           torch_version, cluster)
+
+
+def _run_rounds(args: argparse.Namespace, labels: tuple[str, str], world_sizes: list[int],
+                sizes: list[int], spec_base: dict[str, Any],
+                spec_for: Callable[[str, int], dict[str, Any]], cores: int,
+                torch_version: str, cluster: Any) -> int:
+    """Every round, the tables, the targets, the profiles of missed ones, the JSON."""
     rounds: list[dict[tuple[str, int], dict[str, Any] | None]] = []
     for r in range(args.rounds):
         order = labels if r % 2 == 0 else labels[::-1]
@@ -743,7 +822,8 @@ def main(argv: list[str] | None = None) -> int:
         for n in world_sizes:
             for label in order:
                 started = time.perf_counter()
-                results[(label, n)] = run_job(spec_for(label, n), n, args.child_timeout)
+                results[(label, n)] = run_job(spec_for(label, n), n, args.child_timeout,
+                                              cluster=cluster)
                 job = results[(label, n)]
                 step = (statistics.median(sum(s) for s in job["ddp"])
                         if job and job.get("ddp") else None)
@@ -780,7 +860,7 @@ def main(argv: list[str] | None = None) -> int:
                     sizes=[int(k.split(":")[1]) for k in keys if k.startswith("all_reduce:")])
         if "ddp" not in keys:
             spec["ddp_steps"] = 0
-        job = run_job(spec, n, args.child_timeout, keep_profile=True)
+        job = run_job(spec, n, args.child_timeout, keep_profile=True, cluster=cluster)
         if job is None:
             continue
         for name, text in job["profiles"].items():
@@ -791,6 +871,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({
             "candidate": args.candidate, "baseline": args.baseline, "labels": list(labels),
             "cores": cores, "torch": torch_version, "rounds": args.rounds,
+            "layout": args.layout, "rate_mbit": args.rate_mbit if args.layout else None,
             "quick": args.quick, "model": {"widths": spec_base["widths"],
                                            "batch": args.batch, "steps": args.steps},
             "ddp": summary["ddp"], "all_reduce": summary["all_reduce"],

@@ -59,6 +59,7 @@ PURE = [
     "netdist.checkpoint.options",
     "netdist.checkpoint.summary",
     "netdist.checkpoint.group_like",
+    "netdist.netlab.layout",
 ]
 """The PURE modules of DESIGN.md ("Layers"), and those the ps and parallel packages declare
 PURE in their docstrings; ``pkg.*`` is a package and all its modules."""

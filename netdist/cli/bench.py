@@ -1,11 +1,13 @@
 """``netdist bench OP -n N --sizes 8:256M``: benchmark collectives or point-to-point.
 
 Run directly, it starts N local ranks (``netdist.launcher.launch``) that each run this
-command again as workers; run under ``netdist launch`` (``NETDIST_RANK`` is set) it *is*
-a worker. Rank 0 prints an nccl-tests-style table (time median/min/max, algbw, busbw,
-correctness check), then, as ``#`` lines, the bytes it exchanged over the whole run per
-peer and per host link (``Transport.traffic``, warm-up included); ``--json`` writes the
-rows (and rank 0's traffic total), ``--plot`` draws busbw against size (needs matplotlib).
+command again as workers; with ``--layout 2x2`` it starts them on test hosts instead
+(``netdist.cli.bench_cluster``: network namespaces on a switch, as root); run under
+``netdist launch`` (``NETDIST_RANK`` is set) it *is* a worker. Rank 0 prints an
+nccl-tests-style table (time median/min/max, algbw, busbw, correctness check), then, as
+``#`` lines, the bytes it exchanged over the whole run per peer and per host link
+(``Transport.traffic``, warm-up included); ``--json`` writes the rows (and rank 0's
+traffic total), ``--plot`` draws busbw against size (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ examples:
   netdist bench all_reduce -n 4 --sizes 8:256M
   netdist launch -n 2 -- netdist bench p2p
   netdist bench all_gather -n 4 --sizes 1M:64M:4 --json ag.json --plot ag.png
+  netdist bench all_reduce --layout 2x2 --rate-mbit 1000 --sizes 1M:64M:4   # as root
 """
 
 
@@ -77,6 +80,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--json", default=None, metavar="FILE", help="write rows as JSON")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="plot busbw against size (needs matplotlib)")
+    parser.add_argument("--layout", default=None, metavar="HxR",
+                        help="run the ranks on test hosts instead of loopback: H network "
+                             "namespaces of R ranks each on one switch (2x2, or ranks per "
+                             "host: 1,2,3); needs root")
+    parser.add_argument("--rate-mbit", type=float, default=None, metavar="MBIT",
+                        help="with --layout: each host's link rate, both ways (default: "
+                             "unshaped)")
+    parser.add_argument("--job-timeout", type=float, default=1800.0, metavar="SECONDS",
+                        help="with --layout: deadline of the whole run (default 1800)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -104,6 +116,12 @@ def run(args: argparse.Namespace) -> int:
         # checked before measuring, not after minutes of benchmarking
         raise ConfigError("--plot needs matplotlib: pip install 'netdist[plot]'")
     sizes = _sizes(args)
+    if args.layout is not None:
+        from netdist.cli.bench_cluster import run_in_cluster
+
+        return run_in_cluster(args, _worker_argv(args))
+    if args.rate_mbit is not None:
+        raise ConfigError("--rate-mbit shapes the links of --layout's hosts; add --layout")
     if args.worker or os.environ.get("NETDIST_RANK"):
         from netdist.cli.loop import run as run_loop
 

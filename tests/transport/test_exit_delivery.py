@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.netlab import NetLab, rank_env, require_netlab
+from netdist.netlab import NetLab, rank_env
+from tests.netlab import require_netlab
 from tests.transport.exit_worker import pattern
 
 pytestmark = pytest.mark.slow

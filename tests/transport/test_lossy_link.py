@@ -1,7 +1,7 @@
 """Liveness across a lossy link (issue 26, defect 2).
 
 Two hosts (network namespaces) joined by a link that drops 30% of the packets each way
-and delays the rest by 50 ms (``tests.netlab.lossy_link``: this kernel has no netem).
+and delays the rest by 50 ms (``netdist.netlab.lossy_link``: this kernel has no netem).
 Before the fix, TCP's retransmission back-off could hold a live peer's heartbeats past
 the fixed 10 s liveness window, and two healthy ranks declared each other dead
 ("sent nothing for 10.0s"). Now the window stretches while the link loses packets and
@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 
 from netdist.config import DistributedConfig
+from netdist.netlab import Host, NetLab, rank_env
 from netdist.transport.link_stats import LOSSY_LINK_FACTOR
-from tests.netlab import Host, NetLab, rank_env, require_netlab
+from tests.netlab import require_netlab
 from tests.transport.lossy_worker import expected_total
 
 pytestmark = pytest.mark.slow

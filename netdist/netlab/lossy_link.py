@@ -1,8 +1,8 @@
 """A link that loses and delays packets, for kernels without ``netem``.
 
-Run as a program by ``tests.netlab.NetLab.lossy_link`` (as root)::
+Run as a program by ``netdist.netlab.NetLab.lossy_link`` (as root)::
 
-    python -m tests.netlab.lossy_link NS_A DEV_A NS_B DEV_B --loss 0.3 --delay 0.05 --seed 7
+    python -m netdist.netlab.lossy_link NS_A DEV_A NS_B DEV_B --loss 0.3 --delay 0.05 --seed 7
 
 It opens a TUN device in each of two network namespaces (``setns`` on this one thread,
 then back), prints ``READY`` and forwards every IP packet read from one device to the
