@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from netdist.netlab.processes import enter_host
+
 if TYPE_CHECKING:
     from netdist.netlab.cluster import Cluster
     from netdist.netlab.layout import ClusterLayout
@@ -84,7 +86,7 @@ def netlab_missing() -> str | None:
         return f"network namespaces need Linux, this is {sys.platform}"
     if os.geteuid() != 0:
         return "network namespaces and tc need root (run the tests as root, as CI does)"
-    for tool, package in (("ip", "iproute2"), ("tc", "iproute2")):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("nsenter", "util-linux")):
         if shutil.which(tool) is None:
             return f"{tool} not found: apt-get install {package}"
     if not os.path.exists("/dev/net/tun"):
@@ -239,8 +241,9 @@ class NetLab:
 
     def popen(self, host: Host, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
               **kwargs: Any) -> subprocess.Popen[Any]:
-        """Start ``argv`` in ``host`` (``ip netns exec``); the caller bounds and reaps it."""
-        return subprocess.Popen(["ip", "netns", "exec", host.name, *argv],
+        """Start ``argv`` in ``host`` (``processes.enter_host``: the network namespace
+        only); the caller bounds and reaps it."""
+        return subprocess.Popen(enter_host(host.name, argv),
                                 env=None if env is None else dict(env),
                                 **kwargs)  # type: ignore[call-overload]
 

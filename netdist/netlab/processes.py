@@ -19,7 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-__all__ = ["RankProcess", "RankResult", "start_rank", "wait_all"]
+__all__ = ["enter_host", "NETNS_DIR", "RankProcess", "RankResult", "start_rank", "wait_all"]
+
+NETNS_DIR = "/run/netns"
+"""Where ``ip netns add`` names its namespaces."""
 
 _REAP_TIMEOUT = 30.0
 """How long a killed process may take to be reaped."""
@@ -79,15 +82,27 @@ def _drain(stream: IO[bytes] | None) -> str:
         stream.close()
 
 
+def enter_host(host: str, argv: Sequence[str]) -> list[str]:
+    """The command line running ``argv`` in network namespace ``host``.
+
+    ``nsenter --net`` enters the network namespace only. ``ip netns exec`` would also
+    give every process a mount namespace of its own, and a rank's host key includes its
+    mount namespace (``netdist.transport.host_identity``: ranks that cannot see each
+    other's ``/proc`` cannot share memory): the ranks of one test host would then look
+    like ranks of different machines, as they never do on a real one.
+    """
+    return ["nsenter", f"--net={NETNS_DIR}/{host}", *argv]
+
+
 def start_rank(rank: int, host: str, argv: Sequence[str], env: Mapping[str, str], *,
                capture: bool = True, cwd: str | None = None) -> RankProcess:
-    """Start ``argv`` in network namespace ``host`` (``ip netns exec``, which execs it:
-    the process is the rank's), in a session of its own. With ``capture`` its output goes
+    """Start ``argv`` in network namespace ``host`` (``enter_host``, which execs it: the
+    process is the rank's), in a session of its own. With ``capture`` its output goes
     to temporary files that ``RankResult`` returns; without, to this process's."""
     out = tempfile.TemporaryFile() if capture else None
     err = tempfile.TemporaryFile() if capture else None
     try:
-        process = subprocess.Popen(["ip", "netns", "exec", host, *argv], env=dict(env),
+        process = subprocess.Popen(enter_host(host, argv), env=dict(env),
                                    cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                    start_new_session=True)
     except BaseException:
