@@ -76,6 +76,7 @@ __all__ = [
     "SCRATCH_BYTES",
     "handshake_limits",
     "tune_socket",
+    "send_buffer_request",
     "is_loopback_host",
     "check_listen_security",
     "start_listener",
@@ -92,7 +93,19 @@ ErrorFactory = Callable[[], Exception]
 """Builds a fresh exception per waiter (an exception instance must not be raised twice)."""
 
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
-"""SO_SNDBUF / SO_RCVBUF requested for every peer socket (the kernel may cap it)."""
+"""SO_SNDBUF requested for a peer socket when that gives more than the kernel's send
+autotuning would (``send_buffer_request``); the kernel grants twice the request, capped
+at twice ``net.core.wmem_max``. SO_RCVBUF is never set: setting it fixes the receive
+buffer at twice ``min(request, net.core.rmem_max)`` and turns off receive autotuning,
+which can grow it to ``net.ipv4.tcp_rmem[2]``. A connection moves at most one window per
+round trip, so over a long link the buffers bound the rate: ``benchmarks/link_fill.py``
+measured netdist's former fixed 4 MiB receive buffer (5.7 MiB advertised window) at
+half the link at twice that bandwidth-delay product, and at 10-25% of it on a host with
+the kernel's default ``rmem_max`` (212992); see docs/multihost.md, "Keeping the link
+full"."""
+
+_WMEM_MAX = "/proc/sys/net/core/wmem_max"
+_TCP_WMEM = "/proc/sys/net/ipv4/tcp_wmem"
 
 SMALL_FRAME_BYTES = 64 * 1024
 """Frames up to this payload size are joined into one ``bytes`` object: one syscall, and
@@ -138,14 +151,40 @@ def handshake_limits(limits: WireLimits, header_bytes: int) -> WireLimits:
     return dataclasses.replace(limits, max_header_bytes=header_bytes)
 
 
+def _read_sysctl(path: str) -> int | None:
+    """The last number in ``path`` (``tcp_wmem``'s maximum), or None where unreadable."""
+    try:
+        with open(path, encoding="ascii") as handle:
+            return int(handle.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def send_buffer_request(wmem_max: int | None, tcp_wmem_max: int | None) -> int | None:
+    """The SO_SNDBUF to ask for, or None to leave the send buffer to autotuning.
+
+    An explicit request gets ``2 * min(SOCKET_BUFFER_BYTES, wmem_max)`` and stops the
+    buffer growing; autotuning grows it up to ``tcp_wmem_max`` (``net.ipv4.tcp_wmem[2]``)
+    as the window needs. Ask only where the request gets more; with either sysctl
+    unknown (not Linux), ask, as netdist always did.
+    """
+    if wmem_max is None or tcp_wmem_max is None:
+        return SOCKET_BUFFER_BYTES
+    granted = 2 * min(SOCKET_BUFFER_BYTES, wmem_max)
+    return SOCKET_BUFFER_BYTES if granted > tcp_wmem_max else None
+
+
 def tune_socket(sock: socket.socket) -> None:
-    """TCP_NODELAY, large socket buffers and a capped retransmission back-off
-    (``netdist.transport.link_stats``); errors are ignored (the kernel may refuse)."""
-    for level, option, value in (
-        (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),
-        (socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES),
-        (socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES),
-    ):
+    """TCP_NODELAY, the larger of an explicit and an autotuned send buffer
+    (``send_buffer_request``, from this network namespace's sysctls), the receive buffer
+    left to the kernel's autotuning (see ``SOCKET_BUFFER_BYTES``) and a capped
+    retransmission back-off (``netdist.transport.link_stats``); errors are ignored (the
+    kernel may refuse)."""
+    options = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+    request = send_buffer_request(_read_sysctl(_WMEM_MAX), _read_sysctl(_TCP_WMEM))
+    if request is not None:
+        options.append((socket.SOL_SOCKET, socket.SO_SNDBUF, request))
+    for level, option, value in options:
         try:
             sock.setsockopt(level, option, value)
         except OSError:  # pragma: no cover - platform specific; a tuning, not a requirement
