@@ -90,21 +90,13 @@ _U32_SND_WND = 228
 
 # -- socket options per variant ---------------------------------------------------------
 
-def _proc_int(path: str) -> int | None:
-    try:
-        with open(path) as handle:
-            return int(handle.read().split()[-1])
-    except (OSError, ValueError):
-        return None
-
-
 def apply_variant(sock: socket.socket, variant: str) -> None:
     """Set ``variant``'s options on ``sock`` (TCP_NODELAY always, as netdist does).
 
     ``LINK_FILL_CAP`` (bytes), when set, clamps every explicit request as
     ``net.core.{r,w}mem_max`` would on a host where they are that small."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    from netdist.transport.connection import SOCKET_BUFFER_BYTES, tune_socket
+    from netdist.transport.connection import SOCKET_BUFFER_BYTES, read_sysctl, tune_socket
 
     cap = int(os.environ.get("LINK_FILL_CAP", "0")) or None
 
@@ -121,7 +113,7 @@ def apply_variant(sock: socket.socket, variant: str) -> None:
     elif variant == "big":
         for option, path in ((socket.SO_SNDBUF, "/proc/sys/net/core/wmem_max"),
                              (socket.SO_RCVBUF, "/proc/sys/net/core/rmem_max")):
-            ask(option, _proc_int(path) or 4 * MIB)
+            ask(option, read_sysctl(path) or 4 * MIB)
     elif variant != "autotune":
         raise ValueError(f"unknown variant {variant!r}")
 

@@ -224,8 +224,8 @@ class NetLab:
             argv += ["--seed", str(seed)]
         forwarder = subprocess.Popen(argv, cwd=_PACKAGE_PARENT, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE)
-        assert forwarder.stdout is not None
-        ready = forwarder.stdout.readline()  # bounded: the forwarder prints or exits
+        # bounded: the forwarder prints or exits (stdout is a pipe: never None here)
+        ready = b"" if forwarder.stdout is None else forwarder.stdout.readline()
         if ready.strip() != b"READY":
             forwarder.kill()
             forwarder.wait(_COMMAND_TIMEOUT)

@@ -77,6 +77,7 @@ __all__ = [
     "handshake_limits",
     "tune_socket",
     "send_buffer_request",
+    "read_sysctl",
     "is_loopback_host",
     "check_listen_security",
     "start_listener",
@@ -151,8 +152,9 @@ def handshake_limits(limits: WireLimits, header_bytes: int) -> WireLimits:
     return dataclasses.replace(limits, max_header_bytes=header_bytes)
 
 
-def _read_sysctl(path: str) -> int | None:
-    """The last number in ``path`` (``tcp_wmem``'s maximum), or None where unreadable."""
+def read_sysctl(path: str) -> int | None:
+    """The last number in the sysctl file ``path`` (``tcp_wmem``'s maximum), or None where
+    it cannot be read (not Linux)."""
     try:
         with open(path, encoding="ascii") as handle:
             return int(handle.read().split()[-1])
@@ -181,7 +183,7 @@ def tune_socket(sock: socket.socket) -> None:
     retransmission back-off (``netdist.transport.link_stats``); errors are ignored (the
     kernel may refuse)."""
     options = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
-    request = send_buffer_request(_read_sysctl(_WMEM_MAX), _read_sysctl(_TCP_WMEM))
+    request = send_buffer_request(read_sysctl(_WMEM_MAX), read_sysctl(_TCP_WMEM))
     if request is not None:
         options.append((socket.SOL_SOCKET, socket.SO_SNDBUF, request))
     for level, option, value in options:

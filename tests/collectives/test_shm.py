@@ -15,7 +15,7 @@ import pytest
 
 from netdist.collectives import Group
 from netdist.collectives.host import attach
-from netdist.collectives.host.arena import FOLD_BLOCK_BYTES
+from netdist.collectives.host.peer_arrays import FOLD_BLOCK_BYTES
 from netdist.collectives.host.layout import MAX_LOCAL_RANKS, HostLayout, LocalMode
 from netdist.collectives.host.segments import HEADER_BYTES, SegmentLocator, SharedSegment
 from netdist.collectives.host.settings import ShmCopy, shared_memory_copy, shared_memory_enabled

@@ -7,18 +7,15 @@ check; the bounds and targets are checked on their own) and ``benchmarks/torch_d
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.benchmark_harness import load_benchmark, run_benchmark
 from tests.netlab import require_netlab
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 BOUND = 240.0
 
 
@@ -27,12 +24,8 @@ def test_multihost_quick_measures_every_column(tmp_path: Path) -> None:
     require_netlab()
     pytest.importorskip("torch")
     out = tmp_path / "multihost.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NETDIST_")}
-    env["PYTHONPATH"] = str(REPO)
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "multihost.py"), "--quick",
-         "--child-timeout", str(BOUND / 4), "--json", str(out)],
-        capture_output=True, text=True, timeout=BOUND, cwd=tmp_path, env=env)
+    done = run_benchmark("multihost", ["--quick", "--child-timeout", str(BOUND / 4),
+                                       "--json", str(out)], timeout=BOUND, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
     assert result["layouts"] == ["2x1"] and result["quick"] is True
@@ -55,7 +48,6 @@ def test_multihost_quick_measures_every_column(tmp_path: Path) -> None:
 
 def test_bounds_and_targets() -> None:
     """The bounds of the module docstring, and which measured rows each target judges."""
-    from tests.benchmark_harness import load_benchmark
 
     multihost = load_benchmark("multihost")
     mib = 1024 * 1024
@@ -95,12 +87,9 @@ def test_torch_ddp_runs_its_ranks_on_cluster_hosts(tmp_path: Path) -> None:
     require_netlab()
     pytest.importorskip("torch")
     out = tmp_path / "torch_ddp.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NETDIST_")}
-    env["PYTHONPATH"] = str(REPO)
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "torch_ddp.py"), "--quick", "--layout",
-         "1,2", "--rate-mbit", "1000", "--child-timeout", str(BOUND / 3), "--json", str(out)],
-        capture_output=True, text=True, timeout=BOUND, cwd=tmp_path, env=env)
+    done = run_benchmark("torch_ddp", ["--quick", "--layout", "1,2", "--rate-mbit", "1000",
+                                       "--child-timeout", str(BOUND / 3), "--json", str(out)],
+                         timeout=BOUND, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "cluster 1,2 (2 hosts, 1000 Mbit/s links)" in done.stdout
     result = json.loads(out.read_text())

@@ -5,18 +5,15 @@ back. No speed is asserted (speed claims live in the benchmark's own output)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.benchmark_harness import run_benchmark
 from tests.netlab import require_netlab
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 BOUND = 180.0
 
 
@@ -24,12 +21,8 @@ BOUND = 180.0
 def test_link_fill_quick_reports_every_variant(tmp_path: Path) -> None:
     require_netlab()
     out = tmp_path / "link_fill.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NETDIST_")}
-    env["PYTHONPATH"] = str(REPO)
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "link_fill.py"), "--quick",
-         "--transfer-timeout", "30", "--json", str(out)],
-        capture_output=True, text=True, timeout=BOUND, cwd=tmp_path, env=env)
+    done = run_benchmark("link_fill", ["--quick", "--transfer-timeout", "30", "--json",
+                                       str(out)], timeout=BOUND, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
     assert result["quick"] is True and result["failed"] == []

@@ -42,7 +42,7 @@ def test_tune_socket_sets_what_the_sysctls_call_for(
         monkeypatch: pytest.MonkeyPatch, wmem_max: int, tcp_wmem_max: int,
         explicit: bool) -> None:
     sysctls = {connection._WMEM_MAX: wmem_max, connection._TCP_WMEM: tcp_wmem_max}
-    monkeypatch.setattr(connection, "_read_sysctl", sysctls.__getitem__)
+    monkeypatch.setattr(connection, "read_sysctl", sysctls.__getitem__)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as plain, \
             socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tuned:
         tune_socket(tuned)

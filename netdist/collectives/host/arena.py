@@ -54,7 +54,12 @@ import numpy as np
 from netdist.collectives.channel import Channel
 from netdist.collectives.host import attach
 from netdist.collectives.host.layout import HostLayout, LocalMode
-from netdist.collectives.host.peer_arrays import FOLD_BLOCK_BYTES, PeerArrays, fold_block
+from netdist.collectives.host.peer_arrays import (
+    PeerArrays,
+    fold_block,
+    fold_blocks,
+    fold_buffers,
+)
 from netdist.collectives.host.segments import SegmentLocator, SharedSegment
 from netdist.collectives.host.settings import ShmCopy
 from netdist.collectives.host.turns import TurnQueue
@@ -132,13 +137,12 @@ class HostArena:
         """Group rank -> process id of every rank of the host, when the ranks can read
         each other's memory (single copy); None keeps the staged path."""
 
-    async def peer_arrays(self, chan: Channel, array: np.ndarray, sub: int) -> PeerArrays:
+    async def peer_arrays(self, chan: Channel, array: np.ndarray) -> PeerArrays:
         """Announce ``array`` to this host's other ranks and learn theirs (single copy;
         ``SharedMemoryError`` on an arena that stages its copies)."""
         if self._pids is None:
             raise SharedMemoryError("single-copy transfer on an arena that stages its copies")
-        return await PeerArrays.exchange(chan, self.layout.local_ranks, self._pids, array,
-                                         sub)
+        return await PeerArrays.exchange(chan, self.layout.local_ranks, self._pids, array)
 
     @property
     def copy(self) -> ShmCopy:
@@ -248,19 +252,16 @@ class HostArena:
                                       divisor: int | None) -> None:
         """All-reduce by reaching into the peers' arrays directly (see the module
         docstring): fold this rank's chunk, push it to every peer, wait for theirs."""
-        peers = await self.peer_arrays(chan, flat, _SUB_IN)
+        peers = await self.peer_arrays(chan, flat)
         a, b = chunk_bounds(flat.size, self.local_size)[self.layout.local]
-        block = max(1, FOLD_BLOCK_BYTES // flat.itemsize)
-        with chan.scratch(2 * block * flat.itemsize) as raw:
-            buffers = raw[:2 * block * flat.itemsize].view(flat.dtype)
-            pair = (buffers[:block], buffers[block:])
-            for start in range(a, b, block):
-                target = flat[start:min(start + block, b)]
-                fold_block(op, peers, target, start, target, pair)
+        with fold_buffers(chan, flat.dtype) as buffers:
+            for start, stop in fold_blocks(a, b, flat.itemsize):
+                target = flat[start:stop]
+                fold_block(op, peers, target, start, target, buffers)
                 if divisor is not None:
                     divide_into(target, divisor)
                 peers.write_all(start, target)
-        await peers.finish(_SUB_GATHER_DONE)  # every chunk is in; nobody reaches in
+        await peers.finish()  # every chunk is in; nobody reaches in
 
     async def reduce_scatter(self, chan: Channel, flat: np.ndarray, op: ReduceOp,
                              chunks: Sequence[tuple[int, int]], out: np.ndarray,
@@ -571,7 +572,7 @@ async def host_broadcast(chan: Channel, arena: HostArena, flat: np.ndarray, root
     """Broadcast ``flat`` from group rank ``root``: across hosts by a TCP chain between the
     ranks with the root's local index, then inside every host from that rank's copy."""
     layout = arena.layout
-    root_host = next(h for h, members in enumerate(layout.hosts) if root in members)
+    root_host = layout.host_of(root)
     root_local = layout.hosts[root_host].index(root)
     if layout.mode is LocalMode.HIERARCHICAL and layout.local == root_local:
         cross = chan.subset(layout.cross_ranks, SUB_CROSS)

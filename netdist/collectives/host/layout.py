@@ -55,7 +55,6 @@ class HostLayout:
         for r, key in enumerate(keys):
             order.setdefault(key, []).append(r)
         hosts = tuple(tuple(members) for members in order.values())
-        host = next(h for h, members in enumerate(hosts) if rank in members)
         sizes = {len(members) for members in hosts}
         if not all(enabled) or max(sizes) < 2 or max(sizes) > MAX_LOCAL_RANKS:
             mode = LocalMode.TCP
@@ -65,6 +64,7 @@ class HostLayout:
             mode = LocalMode.UNEVEN_HOSTS
         else:
             mode = LocalMode.HIERARCHICAL
+        host = _host_of(hosts, rank)
         return cls(mode, hosts, rank, host, hosts[host].index(rank))
 
     @property
@@ -76,7 +76,7 @@ class HostLayout:
     def cross_ranks(self) -> tuple[int, ...]:
         """Group ranks with this rank's local index, one per host, in host order (hosts
         with the same number of ranks each)."""
-        return tuple(members[self.local] for members in self.hosts)
+        return self.lane(self.local)
 
     @property
     def lanes(self) -> int:
@@ -91,9 +91,14 @@ class HostLayout:
 
     def host_of(self, rank: int) -> int:
         """The index in ``hosts`` of group rank ``rank``'s host."""
-        return next(h for h, members in enumerate(self.hosts) if rank in members)
+        return _host_of(self.hosts, rank)
 
     @property
     def is_leader(self) -> bool:
         """The lowest rank of its host creates the host's segment."""
         return self.local == 0
+
+
+def _host_of(hosts: tuple[tuple[int, ...], ...], rank: int) -> int:
+    """The index in ``hosts`` of the host holding ``rank``."""
+    return next(h for h, members in enumerate(hosts) if rank in members)

@@ -10,28 +10,36 @@ again (so each may return and reuse it).
 
 ``fold_block`` is the one fold order used with it: a block of every local rank's array,
 lowest local rank first, the same order the staged arena folds in, so both paths give
-the same bits.
+the same bits. ``fold_blocks`` cuts a range into the blocks it folds, and
+``fold_buffers`` lends the two cache-sized buffers it reads peers' blocks into.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from netdist.collectives.channel import Channel
 from netdist.collectives.host import attach
+from netdist.collectives.plan import segment_bounds
 from netdist.errors import LocalProtocolError, PeerLostError, SharedMemoryError
 from netdist.reduce_kernels import combine
 from netdist.types import ReduceOp
 
-__all__ = ["PeerArrays", "fold_block", "FOLD_BLOCK_BYTES"]
+__all__ = ["PeerArrays", "fold_block", "fold_blocks", "fold_buffers", "FOLD_BLOCK_BYTES",
+           "SUB_ADDRESS", "SUB_DONE"]
 
 FOLD_BLOCK_BYTES = 256 * 1024
 """Each peer's block is read into a buffer this size, which stays in cache while it is
 folded and the result written on."""
+
+SUB_ADDRESS, SUB_DONE = 8, 11
+"""Sub-tags of a single-copy call's announcements and closing handshake: the staged
+arena's round tags (``arena.py``), which no round uses while a single-copy call runs."""
 
 _ADDRESS = struct.Struct("<QQ")  # the array's address and byte count
 _DONE = b"\x01"
@@ -56,17 +64,17 @@ class PeerArrays:
 
     @classmethod
     async def exchange(cls, chan: Channel, local_ranks: tuple[int, ...],
-                       pids: dict[int, int], array: np.ndarray, sub: int) -> PeerArrays:
-        """Every local rank announces ``array`` (C-contiguous, of equal byte count on
-        every local rank unless sizes legitimately differ: the count is only recorded)
-        and learns the others' (``sub``-tag messages)."""
+                       pids: dict[int, int], array: np.ndarray) -> PeerArrays:
+        """Every local rank announces ``array`` (C-contiguous, of the same byte count on
+        every local rank: ``LocalProtocolError`` names a rank whose differs) and learns
+        the others' (``SUB_ADDRESS`` messages)."""
         peers = tuple(r for r in local_ranks if r != chan.rank)
         announcement = _ADDRESS.pack(array.ctypes.data, array.nbytes)
         for peer in peers:
-            await chan.send(peer, announcement, sub)
+            await chan.send(peer, announcement, SUB_ADDRESS)
         addresses = {}
         for peer in peers:
-            raw = (await chan.recv(peer, sub=sub)).tobytes()
+            raw = (await chan.recv(peer, sub=SUB_ADDRESS)).tobytes()
             if len(raw) != _ADDRESS.size:
                 raise LocalProtocolError(f"group rank {peer} sent a {len(raw)}-byte array "
                                          f"announcement; single copy expects {_ADDRESS.size}")
@@ -99,13 +107,29 @@ class PeerArrays:
             raise SharedMemoryError(f"cannot reach group rank {peer}'s array: "
                                     f"{exc.strerror}") from None
 
-    async def finish(self, sub: int) -> None:
+    async def finish(self) -> None:
         """Tell every local peer this rank is done with their arrays, and wait until each
-        has said the same: afterwards nobody reaches into this rank's array."""
+        has said the same (``SUB_DONE``): afterwards nobody reaches into this rank's
+        array."""
         for peer in self._peers:
-            await self._chan.send(peer, _DONE, sub)
+            await self._chan.send(peer, _DONE, SUB_DONE)
         for peer in self._peers:
-            await self._chan.recv(peer, sub=sub)
+            await self._chan.recv(peer, sub=SUB_DONE)
+
+
+def fold_blocks(start: int, stop: int, itemsize: int) -> tuple[tuple[int, int], ...]:
+    """``[start, stop)`` in blocks of at most ``FOLD_BLOCK_BYTES``."""
+    return segment_bounds(start, stop, max(1, FOLD_BLOCK_BYTES // itemsize))
+
+
+@contextlib.contextmanager
+def fold_buffers(chan: Channel, dtype: np.dtype) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Two ``FOLD_BLOCK_BYTES`` buffers of ``dtype`` from the group's scratch pool, for
+    ``fold_block``."""
+    block = max(1, FOLD_BLOCK_BYTES // dtype.itemsize)
+    with chan.scratch(2 * block * dtype.itemsize) as raw:
+        buffers = raw[:2 * block * dtype.itemsize].view(dtype)
+        yield buffers[:block], buffers[block:]
 
 
 def fold_block(op: ReduceOp, peers: PeerArrays, own: np.ndarray, offset: int,

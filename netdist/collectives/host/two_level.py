@@ -44,8 +44,8 @@ from netdist.collectives.algorithms.ring import (
 )
 from netdist.collectives.channel import Channel
 from netdist.collectives.host.arena import SUB_CROSS, HostArena
-from netdist.collectives.host.peer_arrays import FOLD_BLOCK_BYTES, fold_block
-from netdist.collectives.plan import offsets_from_sizes, segment_bounds
+from netdist.collectives.host.peer_arrays import fold_block, fold_blocks, fold_buffers
+from netdist.collectives.plan import offsets_from_sizes
 from netdist.collectives.routes import PIECES, segment_elements
 from netdist.sharding import chunk_bounds
 from netdist.types import ReduceOp
@@ -59,10 +59,6 @@ MIN_PIECE_BYTES = 512 * 1024
 MIN_PIECES = 4
 """A lane crosses in at least this many pieces where each holds ``MIN_PIECE_BYTES``: the
 first fold and the last copy, which the link waits for, are that much shorter."""
-
-_SUB_ADDRESS, _SUB_DONE = 8, 11
-"""Sub-tags of the host-local handshakes: the arena rounds' tags, which no arena round
-uses during a two-level call."""
 
 _PIECE_TAGS = (SUB_CROSS, SUB_CROSS + 1)
 """Two pieces in flight, on alternating sub-tags (a tag is reused only after the piece
@@ -80,10 +76,6 @@ def _piece_count(nbytes: int, piece_bytes: int) -> int:
 def _cut(start: int, stop: int, count: int) -> tuple[tuple[int, int], ...]:
     """``[start, stop)`` in ``count`` near-equal pieces (some empty if it is short)."""
     return tuple((start + a, start + b) for a, b in chunk_bounds(stop - start, count))
-
-
-def _blocks(start: int, stop: int, itemsize: int) -> tuple[tuple[int, int], ...]:
-    return segment_bounds(start, stop, max(1, FOLD_BLOCK_BYTES // itemsize))
 
 
 async def _in_flight(chan: Channel, members: tuple[int, ...], count: int,
@@ -123,20 +115,16 @@ async def two_level_all_reduce(chan: Channel, arena: HostArena, flat: np.ndarray
                                depth: int) -> None:
     """All-reduce ``flat`` in place over the whole group (see the module docstring)."""
     layout = arena.layout
-    peers = await arena.peer_arrays(chan, flat, _SUB_ADDRESS)
+    peers = await arena.peer_arrays(chan, flat)
     if layout.local < layout.lanes:
         a, b = chunk_bounds(flat.size, layout.lanes)[layout.local]
         hosts = len(layout.hosts)
-        block = max(1, FOLD_BLOCK_BYTES // flat.itemsize)
-        with chan.scratch(2 * block * flat.itemsize) as raw:
-            buffers = raw[:2 * block * flat.itemsize].view(flat.dtype)
-            pair = (buffers[:block], buffers[block:])
-
-            pieces = _cut(a, b, _piece_count((b - a) * flat.itemsize, segment_bytes))
+        pieces = _cut(a, b, _piece_count((b - a) * flat.itemsize, segment_bytes))
+        with fold_buffers(chan, flat.dtype) as buffers:
 
             def fold(k: int) -> None:
-                for s, e in _blocks(*pieces[k], flat.itemsize):
-                    fold_block(op, peers, flat[s:e], s, flat[s:e], pair)
+                for s, e in fold_blocks(*pieces[k], flat.itemsize):
+                    fold_block(op, peers, flat[s:e], s, flat[s:e], buffers)
 
             async def across(lane: Channel, k: int) -> None:
                 piece = flat[pieces[k][0]:pieces[k][1]]
@@ -145,12 +133,12 @@ async def two_level_all_reduce(chan: Channel, arena: HostArena, flat: np.ndarray
                 await ring_all_reduce(lane, piece, op, segment, depth, divisor)
 
             def spread(k: int) -> None:
-                for s, e in _blocks(*pieces[k], flat.itemsize):
+                for s, e in fold_blocks(*pieces[k], flat.itemsize):
                     peers.write_all(s, flat[s:e])
 
             await _in_flight(chan, layout.lane(layout.local), len(pieces), fold, across,
                              spread)
-    await peers.finish(_SUB_DONE)
+    await peers.finish()
 
 
 async def two_level_reduce_scatter(chan: Channel, arena: HostArena, flat: np.ndarray,
@@ -159,7 +147,7 @@ async def two_level_reduce_scatter(chan: Channel, arena: HostArena, flat: np.nda
     """Reduce ``flat`` over the group; group rank ``r`` gets chunk ``chunks[r]`` in ``out``
     (which may be that chunk of ``flat``). Hosts of equal size; ``flat`` unchanged."""
     layout = arena.layout
-    peers = await arena.peer_arrays(chan, flat, _SUB_ADDRESS)
+    peers = await arena.peer_arrays(chan, flat)
     members = layout.lane(layout.local)
     mine = [chunks[m] for m in members]  # the lane's chunks, in host order
     count = _piece_count(sum(b - a for a, b in mine) * flat.itemsize, segment_bytes)
@@ -167,21 +155,19 @@ async def two_level_reduce_scatter(chan: Channel, arena: HostArena, flat: np.nda
     # staged piece by piece: piece k of every host's chunk, side by side
     sizes = [[cut[k][1] - cut[k][0] for cut in cuts] for k in range(count)]
     starts = np.cumsum([0] + [sum(row) for row in sizes]).tolist()
-    total = starts[-1]
     own = members.index(chan.rank)
     base = mine[own][0]
-    block = max(1, FOLD_BLOCK_BYTES // flat.itemsize)
-    scratch_bytes = (total + 2 * block) * flat.itemsize
-    with chan.scratch(scratch_bytes) as raw:
-        area = raw[:scratch_bytes].view(flat.dtype)
-        stage, pair = area[:total], (area[total:total + block], area[total + block:])
+    with chan.scratch(starts[-1] * flat.itemsize) as raw, \
+            fold_buffers(chan, flat.dtype) as buffers:
+        stage = raw[:starts[-1] * flat.itemsize].view(flat.dtype)
 
         def fold(k: int) -> None:
             at = starts[k]
             for cut in cuts:
                 a, b = cut[k]
-                for x, y in _blocks(a, b, flat.itemsize):
-                    fold_block(op, peers, flat[x:y], x, stage[at + x - a:at + y - a], pair)
+                for x, y in fold_blocks(a, b, flat.itemsize):
+                    fold_block(op, peers, flat[x:y], x, stage[at + x - a:at + y - a],
+                               buffers)
                 at += b - a
 
         async def across(lane: Channel, k: int) -> None:
@@ -193,7 +179,7 @@ async def two_level_reduce_scatter(chan: Channel, arena: HostArena, flat: np.nda
                                       offsets_from_sizes(sizes[k]))
 
         await _in_flight(chan, members, count, fold, across, _nothing)
-    await peers.finish(_SUB_DONE)
+    await peers.finish()
 
 
 async def two_level_all_gather(chan: Channel, arena: HostArena, out_flat: np.ndarray,
@@ -201,24 +187,16 @@ async def two_level_all_gather(chan: Channel, arena: HostArena, out_flat: np.nda
     """Every rank's chunk of ``out_flat`` (already in place on its owner) lands in every
     rank's ``out_flat``. Hosts of equal size."""
     layout = arena.layout
-    peers = await arena.peer_arrays(chan, out_flat, _SUB_ADDRESS)
+    peers = await arena.peer_arrays(chan, out_flat)
     members = layout.lane(layout.local)
-    cross = chan.subset(members, SUB_CROSS)
 
     def spread(start: int, stop: int) -> None:
         peers.write_all(start, out_flat[start:stop])
 
-    gathering = asyncio.ensure_future(ring_all_gather(
-        cross, out_flat, tuple(chunks[m] for m in members), segment, spread))
-    try:
-        a, b = chunks[chan.rank]
-        await _spread_while(gathering, spread, a, b, out_flat.itemsize)
-        await gathering
-    finally:
-        if not gathering.done():
-            gathering.cancel()
-            await asyncio.gather(gathering, return_exceptions=True)
-    await peers.finish(_SUB_DONE)
+    gathering = ring_all_gather(chan.subset(members, SUB_CROSS), out_flat,
+                                tuple(chunks[m] for m in members), segment, spread)
+    await _spreading(gathering, spread, *chunks[chan.rank], out_flat.itemsize)
+    await peers.finish()
 
 
 async def two_level_broadcast(chan: Channel, arena: HostArena, flat: np.ndarray, root: int,
@@ -230,7 +208,7 @@ async def two_level_broadcast(chan: Channel, arena: HostArena, flat: np.ndarray,
     root_host = layout.host_of(root)
     carriers = tuple(root if h == root_host else members[0]
                      for h, members in enumerate(layout.hosts))
-    peers = await arena.peer_arrays(chan, flat, _SUB_ADDRESS)
+    peers = await arena.peer_arrays(chan, flat)
     if chan.rank in carriers:
 
         def spread(start: int, stop: int) -> None:
@@ -238,25 +216,27 @@ async def two_level_broadcast(chan: Channel, arena: HostArena, flat: np.ndarray,
 
         cross = chan.subset(carriers, SUB_CROSS)
         if chan.rank == root:
-            sending = asyncio.ensure_future(chain_broadcast(cross, flat, root_host, segment))
-            try:
-                await _spread_while(sending, spread, 0, flat.size, flat.itemsize)
-                await sending
-            finally:
-                if not sending.done():
-                    sending.cancel()
-                    await asyncio.gather(sending, return_exceptions=True)
+            sending = chain_broadcast(cross, flat, root_host, segment)
+            await _spreading(sending, spread, 0, flat.size, flat.itemsize)
         else:
             await chain_broadcast(cross, flat, root_host, segment, spread)
-    await peers.finish(_SUB_DONE)
+    await peers.finish()
 
 
-async def _spread_while(task: asyncio.Future[None], spread: Callable[[int, int], None],
-                        start: int, stop: int, itemsize: int) -> None:
-    """``spread`` ``[start, stop)`` block by block, letting the loop run ``task`` between
-    blocks (so the link is fed while this rank copies); stops early if ``task`` failed."""
-    for a, b in _blocks(start, stop, itemsize):
-        if task.done() and (task.cancelled() or task.exception() is not None):
-            return  # awaiting it raises
-        spread(a, b)
-        await asyncio.sleep(0)
+async def _spreading(work: Awaitable[None], spread: Callable[[int, int], None],
+                     start: int, stop: int, itemsize: int) -> None:
+    """Run ``work`` as a task while ``spread``-ing ``[start, stop)`` block by block,
+    letting the loop run it between blocks (so the link is fed while this rank copies);
+    ``work``'s error propagates, and the task never outlives the call."""
+    task = asyncio.ensure_future(work)
+    try:
+        for a, b in fold_blocks(start, stop, itemsize):
+            if task.done() and (task.cancelled() or task.exception() is not None):
+                break  # awaiting it raises
+            spread(a, b)
+            await asyncio.sleep(0)
+        await task
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
