@@ -36,6 +36,12 @@ __all__ = [
     "MAX_NDIM",
     "Placement",
     "TensorShardSpec",
+    "Shard",
+    "Replicate",
+    "MeshPlacement",
+    "MeshPosition",
+    "mesh_rank",
+    "mesh_coordinate",
     "FlatSlot",
     "flat_slots",
 ]
@@ -282,6 +288,96 @@ class TensorShardSpec:
             return cls(shape, None, (), data.get("dtype"))
         return cls(shape, _json_int(data["shard_dim"], "shard_dim"),
                    _json_list(data["shard_sizes"], "shard_sizes"), data.get("dtype"))
+
+
+# -- placements on a device mesh ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Along one mesh dimension, the tensor is split along its own dimension ``dim``
+    (contiguous pieces in the order of the mesh coordinate)."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, (int, np.integer)) or isinstance(self.dim, bool) \
+                or self.dim < 0:
+            raise ValueError(f"Shard(dim) needs an int dim >= 0, got {self.dim!r}")
+        object.__setattr__(self, "dim", int(self.dim))
+
+    def __repr__(self) -> str:
+        return f"Shard({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """Along one mesh dimension, every rank holds the same piece."""
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+MeshPlacement = Shard | Replicate
+"""How a tensor is laid out along one mesh dimension."""
+
+
+@dataclass(frozen=True, slots=True)
+class MeshPosition:
+    """Where one rank sits on a device mesh: the mesh's ``shape`` and dimension
+    ``names`` (``("dp", "tp")``) and this rank's ``coordinate`` (one index per
+    dimension). Ranks are laid out row-major: the last dimension varies fastest.
+    Plain data, so the checkpoint layer can take it without importing the collectives
+    (``netdist.collectives.mesh.DeviceMesh.position`` builds it)."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    coordinate: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        shape = _as_shape(self.shape, "mesh shape")
+        names = tuple(self.names)
+        coordinate = _as_shape(self.coordinate, "mesh coordinate")
+        if not shape or any(n < 1 for n in shape):
+            raise ValueError(f"a mesh needs at least one dimension, each >= 1, got {shape}")
+        if len(names) != len(shape) or len(set(names)) != len(names) or not all(
+                isinstance(n, str) and n for n in names):
+            raise ValueError(f"mesh names {names!r} must be {len(shape)} distinct non-empty "
+                             f"strings, one per dimension of shape {shape}")
+        if len(coordinate) != len(shape) or any(c >= n for c, n in zip(coordinate, shape)):
+            raise ValueError(f"coordinate {coordinate} is not on a mesh of shape {shape}")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "names", names)
+        object.__setattr__(self, "coordinate", coordinate)
+
+    @property
+    def size(self) -> int:
+        """Ranks on the mesh."""
+        return math.prod(self.shape)
+
+    @property
+    def rank(self) -> int:
+        """This position's rank on the mesh (row-major)."""
+        return mesh_rank(self.shape, self.coordinate)
+
+
+def mesh_rank(shape: Sequence[int], coordinate: Sequence[int]) -> int:
+    """Row-major rank of ``coordinate`` on a mesh of ``shape``."""
+    rank = 0
+    for c, n in zip(coordinate, shape):
+        rank = rank * n + c
+    return rank
+
+
+def mesh_coordinate(shape: Sequence[int], rank: int) -> tuple[int, ...]:
+    """Row-major coordinate of ``rank`` on a mesh of ``shape`` (inverse of ``mesh_rank``)."""
+    if not 0 <= rank < math.prod(shape):
+        raise ValueError(f"rank {rank} is not on a mesh of shape {tuple(shape)}")
+    out = []
+    for n in reversed(tuple(shape)):
+        rank, c = divmod(rank, n)
+        out.append(c)
+    return tuple(reversed(out))
 
 
 # -- the flat layout ----------------------------------------------------------------------
