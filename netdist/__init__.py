@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     # collectives
     "Group": "netdist.collectives",
     "Work": "netdist.collectives",
+    "DeviceMesh": "netdist.collectives",
     # sharding arithmetic
     "shard_tensor": "netdist.sharding",
     "gather_shards": "netdist.sharding",
@@ -91,7 +92,7 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     from netdist.checkpoint import (AsyncCheckpointer, CheckpointFuture, ShardMetadata,
                                     TensorShardSpec, flat_shard_metadata, load_distributed,
                                     reshard, save_distributed)
-    from netdist.collectives import Group, Work
+    from netdist.collectives import DeviceMesh, Group, Work
     from netdist.compression import (CompressedGradient, Fp16Compressor, TopKCompressor,
                                      compress_gradients, decompress_gradients)
     from netdist.config import AdmissionLimits, DistributedConfig, WireLimits

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 _EXPORTS: dict[str, str] = {
     "Group": "netdist.collectives.group",
     "Work": "netdist.collectives.work",
+    "DeviceMesh": "netdist.collectives.mesh",
     "CollectiveMismatchError": "netdist.errors",
     "DEFAULT_SMALL_MESSAGE_BYTES": "netdist.collectives.routes",
     "DEFAULT_SEGMENT_BYTES": "netdist.collectives.routes",
@@ -33,6 +34,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "Group",
     "Work",
+    "DeviceMesh",
     "CollectiveMismatchError",
     "DEFAULT_SMALL_MESSAGE_BYTES",
     "DEFAULT_SEGMENT_BYTES",
@@ -41,6 +43,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from netdist.collectives.group import P2P_TAG_LIMIT, Group
+    from netdist.collectives.mesh import DeviceMesh
     from netdist.collectives.routes import DEFAULT_SEGMENT_BYTES, DEFAULT_SMALL_MESSAGE_BYTES
     from netdist.collectives.work import Work
     from netdist.errors import CollectiveMismatchError

@@ -62,6 +62,7 @@ from netdist.collectives.tags import (
     reserve_tags,
 )
 from netdist.collectives.calls import Calls
+from netdist.collectives.mesh import DeviceMesh, MeshDims
 from netdist.collectives.work import EagerStart, Work
 from netdist.errors import (
     CollectiveError,
@@ -240,6 +241,22 @@ class Group:
                      self._ops.host.slot_bytes, self.shm_copy)
         self._subgroups.append(child)
         return child
+
+    def next_child_index(self) -> int:
+        """Take the next index of this group's collectively made children (the counter
+        ``new_group`` without ``name`` uses), for layers that make families of named
+        subgroups collectively, such as a ``DeviceMesh``: the n-th call returns the same
+        index on every member that calls in the same order."""
+        index = self._children
+        self._children += 1
+        return index
+
+    async def new_mesh(self, shape: MeshDims, names: Sequence[str] | None = None, *,
+                       timeout: float | None = None) -> DeviceMesh:
+        """Arrange this group's ranks in a grid of named dimensions (collective):
+        ``await group.new_mesh({"dp": 2, "tp": 2})``. See ``netdist.collectives.mesh``."""
+        self._check_member("new_mesh")
+        return await DeviceMesh.create(self, shape, names, timeout=timeout)
 
     # -- lifecycle -----------------------------------------------------------------------
 
