@@ -36,6 +36,7 @@ __all__ = [
     "GradReadyHook",
     "Module",
     "Linear",
+    "Embedding",
     "ReLU",
     "Tanh",
     "Sequential",
@@ -208,6 +209,56 @@ class Linear(Module):
     def __repr__(self) -> str:
         return (f"Linear({self.in_features}, {self.out_features}, "
                 f"bias={self.bias is not None}, dtype={self.weight.data.dtype})")
+
+
+class Embedding(Module):
+    """A lookup table: ``y = weight[ids]`` with weight ``(num_embeddings, embedding_dim)``.
+
+    Initialised like ``torch.nn.Embedding``: every entry drawn from N(0, 1) by ``rng``.
+    ``ids`` is an integer array of any shape, each id in ``[0, num_embeddings)``; the
+    output has shape ``ids.shape + (embedding_dim,)``. Backward adds each row of
+    ``grad_out`` into the weight row its id selected (``np.add.at``, so repeated ids
+    accumulate). Integer ids have no gradient: backward returns zeros of ``ids.shape``
+    (in the weight's dtype), so an ``Embedding`` first in a ``Sequential`` needs nothing
+    special.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 rng: np.random.Generator, dtype: Any = np.float64) -> None:
+        if num_embeddings < 1 or embedding_dim < 1:
+            raise ValueError(f"Embedding needs positive sizes, got "
+                             f"{num_embeddings}x{embedding_dim}")
+        if not isinstance(rng, np.random.Generator):
+            raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+        dt = np.dtype(dtype)
+        if dt.kind != "f":
+            raise TypeError(f"Embedding needs a floating dtype, got {dt}")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        weight = rng.standard_normal((num_embeddings, embedding_dim)).astype(dt)
+        self.weight = Parameter("weight", weight)
+
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        return [("weight", self.weight)]
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        ids = np.asarray(x)
+        if ids.dtype.kind not in ("i", "u"):
+            raise TypeError(f"Embedding.forward: ids must be integers, got dtype {ids.dtype}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_embeddings):
+            raise ValueError(f"Embedding.forward: ids must lie in [0, {self.num_embeddings}), "
+                             f"got ids from {ids.min()} to {ids.max()}")
+        return self.weight.data[ids], ids
+
+    def backward(self, ctx: Any, grad_out: np.ndarray) -> np.ndarray:
+        ids: np.ndarray = ctx
+        np.add.at(self.weight.grad, ids.reshape(-1),
+                  grad_out.reshape(-1, self.embedding_dim))
+        return np.zeros(ids.shape, self.weight.data.dtype)
+
+    def __repr__(self) -> str:
+        return (f"Embedding({self.num_embeddings}, {self.embedding_dim}, "
+                f"dtype={self.weight.data.dtype})")
 
 
 class ReLU(Module):
