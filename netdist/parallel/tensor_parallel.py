@@ -62,15 +62,6 @@ if TYPE_CHECKING:
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
 
 
-def _gather_last(comm: TPComm, local: np.ndarray, total: int, what: str) -> np.ndarray:
-    """All-gather ``local`` along its last dimension into ``total`` columns (every
-    rank's columns in rank order, sizes by ``chunk_bounds``)."""
-    shard = np.ascontiguousarray(np.moveaxis(local, -1, 0))
-    out = np.empty((total, *shard.shape[1:]), local.dtype)
-    comm.all_gather(shard, out, what)
-    return np.ascontiguousarray(np.moveaxis(out, 0, -1))
-
-
 class _TensorParallel(TPLayoutOwner, Module):
     """The parts every NumPy tensor-parallel layer shares: group, layout, parameters."""
 
@@ -79,19 +70,16 @@ class _TensorParallel(TPLayoutOwner, Module):
     weight: Parameter
     bias: Parameter | None
 
-    def _setup(self, kind: TPKind, group: Group | Blocking, rows: int, cols: int,
-               full_weight: np.ndarray, full_bias: np.ndarray | None) -> None:
+    def _setup(self, kind: TPKind, group: Group | Blocking, full_weight: np.ndarray,
+               full_bias: np.ndarray | None) -> None:
         self.comm = TPComm(group, kind.value)
+        rows, cols = full_weight.shape
         self.layout = tp_layout(kind, rows, cols, bias=full_bias is not None,
                                 rank=self.comm.rank, world_size=self.comm.world_size)
-        piece = self.layout.shard.slice
-        split_dim = 1 if kind is TPKind.ROW else 0
-        weight = full_weight[:, piece] if split_dim else full_weight[piece]
-        self.weight = Parameter("weight", weight.copy())
+        self.weight = Parameter("weight", self.layout.piece("weight", full_weight).copy())
         self.bias = None
         if full_bias is not None:
-            bias = full_bias if kind is TPKind.ROW else full_bias[piece]
-            self.bias = Parameter("bias", bias.copy())
+            self.bias = Parameter("bias", self.layout.piece("bias", full_bias).copy())
 
     @property
     def group(self) -> Group | Blocking:
@@ -138,8 +126,8 @@ class ColumnParallelLinear(_TensorParallel):
                             f"{type(linear).__name__}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gather_output = bool(gather_output)
-        self._setup(TPKind.COLUMN, group, linear.out_features, linear.in_features,
-                    linear.weight.data, None if linear.bias is None else linear.bias.data)
+        self._setup(TPKind.COLUMN, group, linear.weight.data,
+                    None if linear.bias is None else linear.bias.data)
 
     @property
     def local_out_features(self) -> int:
@@ -152,7 +140,7 @@ class ColumnParallelLinear(_TensorParallel):
         if self.bias is not None:
             y += self.bias.data
         if self.gather_output:
-            y = _gather_last(self.comm, y, self.out_features, "forward")
+            y = self.comm.all_gather_last(y, self.out_features, "forward")
         return y, x
 
     def backward(self, ctx: Any, grad_out: np.ndarray) -> np.ndarray:
@@ -201,8 +189,8 @@ class RowParallelLinear(_TensorParallel):
                             f"{type(linear).__name__}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.input_is_parallel = bool(input_is_parallel)
-        self._setup(TPKind.ROW, group, linear.out_features, linear.in_features,
-                    linear.weight.data, None if linear.bias is None else linear.bias.data)
+        self._setup(TPKind.ROW, group, linear.weight.data,
+                    None if linear.bias is None else linear.bias.data)
 
     @property
     def local_in_features(self) -> int:
@@ -231,7 +219,7 @@ class RowParallelLinear(_TensorParallel):
         grad_in = grad_out @ self.weight.data
         if self.input_is_parallel:
             return grad_in
-        return _gather_last(self.comm, grad_in, self.in_features, "backward")
+        return self.comm.all_gather_last(grad_in, self.in_features, "backward")
 
     def __repr__(self) -> str:
         return self._describe(f"{self.in_features}, {self.out_features}",
@@ -265,13 +253,13 @@ class VocabParallelEmbedding(_TensorParallel):
                             f"{type(embedding).__name__}")
         self.num_embeddings = embedding.num_embeddings
         self.embedding_dim = embedding.embedding_dim
-        self._setup(TPKind.EMBEDDING, group, self.num_embeddings, self.embedding_dim,
-                    embedding.weight.data, None)
+        self._setup(TPKind.EMBEDDING, group, embedding.weight.data, None)
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
         ids = np.asarray(x)
-        low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
-        check_ids("VocabParallelEmbedding.forward", ids.dtype.kind, low, high,
+        integer = ids.dtype.kind in ("i", "u")
+        low, high = (int(ids.min()), int(ids.max())) if ids.size and integer else (0, 0)
+        check_ids("VocabParallelEmbedding.forward", str(ids.dtype), integer, low, high,
                   self.num_embeddings)
         shard = self.layout.shard
         outside = (ids < shard.start) | (ids >= shard.stop)

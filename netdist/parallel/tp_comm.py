@@ -29,10 +29,13 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
+
 from netdist.collectives.group import Group
 from netdist.errors import CollectiveError
 from netdist.progress.proxy import Blocking
 from netdist.progress.thread import wait_future
+from netdist.tensors import as_array, is_tensor, to_tensor
 
 __all__ = ["TPComm", "WAIT_GRACE"]
 
@@ -80,6 +83,18 @@ class TPComm:
         """Concatenate every rank's ``shard`` along axis 0 into ``out`` (shard lengths by
         ``chunk_bounds(len(out), world_size)``) and return ``out``."""
         return self._call("all_gather", what, shard, out=out)
+
+    def all_gather_last(self, local: A, total: int, what: str) -> A:
+        """Every rank's ``local`` put side by side along the last dimension (``total``
+        columns, each rank's ``chunk_bounds`` share in rank order): a new array, or a
+        new tensor when ``local`` is a CPU torch tensor."""
+        tensor = is_tensor(local)
+        array = as_array(local, f"{self.who} {what}") if tensor else np.asarray(local)
+        shard = np.ascontiguousarray(np.moveaxis(array, -1, 0))
+        out = np.empty((total, *shard.shape[1:]), shard.dtype)
+        self.all_gather(shard, out, what)
+        gathered = np.ascontiguousarray(np.moveaxis(out, 0, -1))
+        return to_tensor(gathered) if tensor else gathered  # type: ignore[return-value]
 
     def _call(self, op: str, what: str, *args: Any, **kwargs: Any) -> Any:
         group = self.group

@@ -15,11 +15,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from netdist.sharding import Replicate, Shard, chunk_bounds
 
 __all__ = ["TPKind", "TPShard", "TPLayout", "TPLayoutOwner", "tp_layout", "check_last_dim",
            "check_ids"]
+
+A = TypeVar("A")
 
 
 class TPKind(str, enum.Enum):
@@ -63,6 +66,15 @@ class TPLayout:
     shard: TPShard
     placements: dict[str, Shard | Replicate]
     full_shapes: dict[str, tuple[int, ...]]
+
+    def piece(self, name: str, full: A) -> A:
+        """This rank's piece of the whole parameter ``name`` (a view: index a NumPy array
+        or a torch tensor alike; the caller copies)."""
+        placement = self.placements[name]
+        if isinstance(placement, Replicate):
+            return full
+        index = (slice(None),) * placement.dim + (self.shard.slice,)
+        return full[index]  # type: ignore[index, no-any-return]
 
     def local_shape(self, name: str) -> tuple[int, ...]:
         """The shape of this rank's piece of parameter ``name``."""
@@ -133,12 +145,13 @@ def check_last_dim(who: str, shape: Sequence[int], expected: int, what: str) -> 
                          f"got shape {tuple(shape)}")
 
 
-def check_ids(who: str, kind: str, low: int, high: int, num_embeddings: int) -> None:
-    """``TypeError`` unless ``kind`` (a dtype kind, ``"i"`` or ``"u"``) is an integer kind;
+def check_ids(who: str, dtype: str, integer: bool, low: int, high: int,
+              num_embeddings: int) -> None:
+    """``TypeError`` unless the ids' dtype (named ``dtype``) is an ``integer`` one;
     ``ValueError`` unless every id lies in ``[0, num_embeddings)`` (``low`` and ``high``
     are the smallest and largest id; pass ``0, 0`` for an empty batch)."""
-    if kind not in ("i", "u"):
-        raise TypeError(f"{who}: ids must be integers, got dtype kind {kind!r}")
+    if not integer:
+        raise TypeError(f"{who}: ids must be integers, got dtype {dtype}")
     if low < 0 or high >= num_embeddings:
         raise ValueError(f"{who}: ids must lie in [0, {num_embeddings}), got ids from "
                          f"{low} to {high}")

@@ -91,24 +91,14 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, dtype: Any, what: str
     np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol, err_msg=what)
 
 
-def piece(full: np.ndarray, placement: Shard | Replicate, part: slice) -> np.ndarray:
-    """This rank's piece of ``full`` under ``placement``."""
-    if isinstance(placement, Replicate):
-        return full
-    index = [slice(None)] * full.ndim
-    index[placement.dim] = part
-    return full[tuple(index)]
-
-
 def check_grads(tp: Any, full: Module, dtype: Any, who: str) -> None:
     """``tp``'s parameter gradients are the pieces of ``full``'s its placements name."""
     expected = dict(full.named_parameters())
     assert set(tp.tp_placements) == set(expected) == {n for n, _ in tp.named_parameters()}
     for name, p in tp.named_parameters():
-        placement = tp.tp_placements[name]
         assert tp.full_shapes[name] == expected[name].shape
-        assert_close(p.grad, piece(expected[name].grad, placement, tp.layout.shard.slice),
-                     dtype, f"{who} {name}.grad")
+        assert_close(p.grad, tp.layout.piece(name, expected[name].grad), dtype,
+                     f"{who} {name}.grad")
 
 
 # -- one layer, or a column -> ReLU -> row block, against single-process ------------------
