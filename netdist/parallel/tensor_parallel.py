@@ -40,7 +40,8 @@ are that kit's ``Module``s.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
@@ -70,6 +71,16 @@ class _TensorParallel(TPLayoutOwner, Module):
     weight: Parameter
     bias: Parameter | None
 
+    _adopt: Callable[..., None]
+    """Keep this rank's piece of a whole layer (each layer's own options after ``group``)."""
+
+    @classmethod
+    def _cut(cls, source: Any, group: Group | Blocking, *options: Any) -> Self:
+        """A layer holding this rank's piece of the whole layer ``source``."""
+        layer = cls.__new__(cls)
+        layer._adopt(source, group, *options)
+        return layer
+
     def _setup(self, kind: TPKind, group: Group | Blocking, full_weight: np.ndarray,
                full_bias: np.ndarray | None) -> None:
         self.comm = TPComm(group, kind.value)
@@ -80,6 +91,14 @@ class _TensorParallel(TPLayoutOwner, Module):
         self.bias = None
         if full_bias is not None:
             self.bias = Parameter("bias", self.layout.piece("bias", full_bias).copy())
+
+    def _setup_linear(self, kind: TPKind, linear: Linear, group: Group | Blocking) -> None:
+        """Keep this rank's piece of the whole ``linear``."""
+        if not isinstance(linear, Linear):
+            raise TypeError(f"{kind.value}: expected a Linear, got {type(linear).__name__}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._setup(kind, group, linear.weight.data,
+                    None if linear.bias is None else linear.bias.data)
 
     @property
     def group(self) -> Group | Blocking:
@@ -116,18 +135,11 @@ class ColumnParallelLinear(_TensorParallel):
     def from_linear(cls, linear: Linear, group: Group | Blocking, *,
                     gather_output: bool = False) -> ColumnParallelLinear:
         """This rank's slice of ``linear`` (copied; ``linear`` is left as it is)."""
-        layer = cls.__new__(cls)
-        layer._adopt(linear, group, gather_output)
-        return layer
+        return cls._cut(linear, group, gather_output)
 
     def _adopt(self, linear: Linear, group: Group | Blocking, gather_output: bool) -> None:
-        if not isinstance(linear, Linear):
-            raise TypeError(f"ColumnParallelLinear: expected a Linear, got "
-                            f"{type(linear).__name__}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gather_output = bool(gather_output)
-        self._setup(TPKind.COLUMN, group, linear.weight.data,
-                    None if linear.bias is None else linear.bias.data)
+        self._setup_linear(TPKind.COLUMN, linear, group)
 
     @property
     def local_out_features(self) -> int:
@@ -178,19 +190,12 @@ class RowParallelLinear(_TensorParallel):
     def from_linear(cls, linear: Linear, group: Group | Blocking, *,
                     input_is_parallel: bool = True) -> RowParallelLinear:
         """This rank's slice of ``linear`` (copied; ``linear`` is left as it is)."""
-        layer = cls.__new__(cls)
-        layer._adopt(linear, group, input_is_parallel)
-        return layer
+        return cls._cut(linear, group, input_is_parallel)
 
     def _adopt(self, linear: Linear, group: Group | Blocking,
                input_is_parallel: bool) -> None:
-        if not isinstance(linear, Linear):
-            raise TypeError(f"RowParallelLinear: expected a Linear, got "
-                            f"{type(linear).__name__}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.input_is_parallel = bool(input_is_parallel)
-        self._setup(TPKind.ROW, group, linear.weight.data,
-                    None if linear.bias is None else linear.bias.data)
+        self._setup_linear(TPKind.ROW, linear, group)
 
     @property
     def local_in_features(self) -> int:
@@ -243,9 +248,7 @@ class VocabParallelEmbedding(_TensorParallel):
     def from_embedding(cls, embedding: Embedding,
                        group: Group | Blocking) -> VocabParallelEmbedding:
         """This rank's rows of ``embedding`` (copied; ``embedding`` is left as it is)."""
-        layer = cls.__new__(cls)
-        layer._adopt(embedding, group)
-        return layer
+        return cls._cut(embedding, group)
 
     def _adopt(self, embedding: Embedding, group: Group | Blocking) -> None:
         if not isinstance(embedding, Embedding):

@@ -14,6 +14,10 @@ function            forward                             backward
 ``scatter_to_tp``   this rank's columns                 all-gather of the gradient
 ==================  ==================================  ==================================
 
+Like any autograd function, ``copy_to_tp``'s backward runs only when its input needs a
+gradient: a ``ColumnParallelLinear`` fed by data (no ``requires_grad``) all-reduces
+nothing backward.
+
 ``group`` is a blocking proxy (``job.group`` of ``netdist.connect()``) or a ``Group``
 whose loop runs on another thread (``netdist.parallel.tp_comm``). Autograd runs a CPU
 backward on the thread that called ``backward()``, so the layers' collectives run where
@@ -26,7 +30,8 @@ on netdist's own API.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -126,25 +131,25 @@ def copy_to_tp(x: Tensor, group: GroupLike) -> Tensor:
     """Enter the tensor-parallel region: ``x`` as it is; backward sums the gradient over
     ``group`` (each rank's layers saw the whole ``x`` and contributed a part of its
     gradient)."""
-    return _CopyToTP.apply(x, _comm(group, "copy_to_tp"))  # type: ignore[no-any-return]
+    return _CopyToTP.apply(x, _comm(group, "copy_to_tp"))
 
 
 def reduce_from_tp(x: Tensor, group: GroupLike) -> Tensor:
     """Leave the region by summing the ranks' partial results; backward: the gradient as
     it is (every rank needs all of it)."""
-    return _ReduceFromTP.apply(x, _comm(group, "reduce_from_tp"))  # type: ignore[no-any-return]
+    return _ReduceFromTP.apply(x, _comm(group, "reduce_from_tp"))
 
 
 def gather_from_tp(x: Tensor, group: GroupLike, size: int) -> Tensor:
     """Leave the region by putting the ranks' column blocks side by side (``size``
     columns in all, split by ``chunk_bounds``); backward keeps this rank's columns."""
-    return _GatherFromTP.apply(x, _comm(group, "gather_from_tp"), size)  # type: ignore[no-any-return]
+    return _GatherFromTP.apply(x, _comm(group, "gather_from_tp"), size)
 
 
 def scatter_to_tp(x: Tensor, group: GroupLike) -> Tensor:
     """Enter the region by keeping this rank's ``chunk_bounds`` share of the last
     dimension; backward all-gathers the gradient's column blocks."""
-    return _ScatterToTP.apply(x, _comm(group, "scatter_to_tp"))  # type: ignore[no-any-return]
+    return _ScatterToTP.apply(x, _comm(group, "scatter_to_tp"))
 
 
 class _TensorParallel(TPLayoutOwner, nn.Module):
@@ -154,6 +159,17 @@ class _TensorParallel(TPLayoutOwner, nn.Module):
     layout: TPLayout
     weight: nn.Parameter
     bias: nn.Parameter | None
+
+    _adopt: Callable[..., None]
+    """Keep this rank's piece of a whole layer (each layer's own options after ``group``)."""
+
+    @classmethod
+    def _cut(cls, source: Any, group: Group | Blocking, *options: Any) -> Self:
+        """A layer holding this rank's piece of the whole layer ``source``."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._adopt(source, group, *options)
+        return layer
 
     def _setup(self, kind: TPKind, group: Group | Blocking, full_weight: Tensor,
                full_bias: Tensor | None) -> None:
@@ -167,6 +183,14 @@ class _TensorParallel(TPLayoutOwner, nn.Module):
                 self.register_parameter("bias", None)
             else:
                 self.bias = nn.Parameter(self.layout.piece("bias", full_bias).clone())
+
+    def _setup_linear(self, kind: TPKind, linear: nn.Linear, group: Group | Blocking) -> None:
+        """Keep this rank's piece of the whole ``linear``."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{kind.value}: expected an nn.Linear, got "
+                            f"{type(linear).__name__}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._setup(kind, group, linear.weight, linear.bias)
 
     def _check(self, step: str, x: Tensor, width: int, what: str = "input") -> None:
         check_last_dim(f"{self.layout.kind.value}.{step}", tuple(x.shape), width, what)
@@ -196,18 +220,11 @@ class ColumnParallelLinear(_TensorParallel):
     def from_linear(cls, linear: nn.Linear, group: Group | Blocking, *,
                     gather_output: bool = False) -> ColumnParallelLinear:
         """This rank's rows of ``linear`` (copied; ``linear`` is left as it is)."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer._adopt(linear, group, gather_output)
-        return layer
+        return cls._cut(linear, group, gather_output)
 
     def _adopt(self, linear: nn.Linear, group: Group | Blocking, gather_output: bool) -> None:
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"ColumnParallelLinear: expected an nn.Linear, got "
-                            f"{type(linear).__name__}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.gather_output = bool(gather_output)
-        self._setup(TPKind.COLUMN, group, linear.weight, linear.bias)
+        self._setup_linear(TPKind.COLUMN, linear, group)
 
     def forward(self, x: Tensor) -> Tensor:
         self._check("forward", x, self.in_features)
@@ -235,19 +252,12 @@ class RowParallelLinear(_TensorParallel):
     def from_linear(cls, linear: nn.Linear, group: Group | Blocking, *,
                     input_is_parallel: bool = True) -> RowParallelLinear:
         """This rank's columns of ``linear`` and its whole bias (copied)."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer._adopt(linear, group, input_is_parallel)
-        return layer
+        return cls._cut(linear, group, input_is_parallel)
 
     def _adopt(self, linear: nn.Linear, group: Group | Blocking,
                input_is_parallel: bool) -> None:
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"RowParallelLinear: expected an nn.Linear, got "
-                            f"{type(linear).__name__}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.input_is_parallel = bool(input_is_parallel)
-        self._setup(TPKind.ROW, group, linear.weight, linear.bias)
+        self._setup_linear(TPKind.ROW, linear, group)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.input_is_parallel:
@@ -277,10 +287,7 @@ class VocabParallelEmbedding(_TensorParallel):
                        group: Group | Blocking) -> VocabParallelEmbedding:
         """This rank's rows of ``embedding`` (copied). Only plain lookups are split:
         ``padding_idx``, ``max_norm`` and sparse gradients are refused."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer._adopt(embedding, group)
-        return layer
+        return cls._cut(embedding, group)
 
     def _adopt(self, embedding: nn.Embedding, group: Group | Blocking) -> None:
         if not isinstance(embedding, nn.Embedding):

@@ -157,6 +157,18 @@ def _check_input(x: np.ndarray, features: int, who: str) -> None:
                          f"got shape {x.shape}")
 
 
+def _init_checks(who: str, rows: int, cols: int, rng: Any, dtype: Any) -> np.dtype[Any]:
+    """Check a parametrised layer's sizes, ``rng`` and floating ``dtype``; the dtype."""
+    if rows < 1 or cols < 1:
+        raise ValueError(f"{who} needs positive sizes, got {rows}x{cols}")
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+    dt = np.dtype(dtype)
+    if dt.kind != "f":
+        raise TypeError(f"{who} needs a floating dtype, got {dt}")
+    return dt
+
+
 class Linear(Module):
     """``y = x @ weight.T + bias`` with weight ``(out_f, in_f)`` and bias ``(out_f,)``.
 
@@ -168,13 +180,7 @@ class Linear(Module):
 
     def __init__(self, in_features: int, out_features: int, *, rng: np.random.Generator,
                  dtype: Any = np.float64, bias: bool = True) -> None:
-        if in_features < 1 or out_features < 1:
-            raise ValueError(f"Linear needs positive sizes, got {in_features}x{out_features}")
-        if not isinstance(rng, np.random.Generator):
-            raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
-        dt = np.dtype(dtype)
-        if dt.kind != "f":
-            raise TypeError(f"Linear needs a floating dtype, got {dt}")
+        dt = _init_checks("Linear", in_features, out_features, rng, dtype)
         self.in_features = in_features
         self.out_features = out_features
         bound = 1.0 / math.sqrt(in_features)
@@ -225,14 +231,7 @@ class Embedding(Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *,
                  rng: np.random.Generator, dtype: Any = np.float64) -> None:
-        if num_embeddings < 1 or embedding_dim < 1:
-            raise ValueError(f"Embedding needs positive sizes, got "
-                             f"{num_embeddings}x{embedding_dim}")
-        if not isinstance(rng, np.random.Generator):
-            raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
-        dt = np.dtype(dtype)
-        if dt.kind != "f":
-            raise TypeError(f"Embedding needs a floating dtype, got {dt}")
+        dt = _init_checks("Embedding", num_embeddings, embedding_dim, rng, dtype)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         weight = rng.standard_normal((num_embeddings, embedding_dim)).astype(dt)
