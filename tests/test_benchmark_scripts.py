@@ -104,3 +104,27 @@ def test_scale_runs_small_jobs_and_judges_its_targets(tmp_path: Path) -> None:
     assert "PASS  connections per rank after a ring all-reduce, lazy n=4: at most 2" in done.stdout
     assert "PASS  sync PS 1 server + 3 workers: 2/2 rounds on every rank" in done.stdout
     assert sum(line.startswith(("PASS  ", "MISS  ")) for line in done.stdout.splitlines()) == 5
+
+
+@pytest.mark.slow
+def test_tensor_parallel_quick_runs_every_variant(tmp_path: Path) -> None:
+    """tensor_parallel.py --quick: unsharded, TP and DP at 2 and 4 ranks (real processes
+    over TCP) all complete, the unsharded block sends nothing, and each TP step moves
+    exactly one all-reduce each way (the script's own byte check; no timing is asserted)."""
+    import json
+
+    from tests.benchmark_harness import run_benchmark
+
+    out = tmp_path / "tensor_parallel.json"
+    done = run_benchmark("tensor_parallel", ["--quick", "--json", str(out)], timeout=150,
+                         cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    assert result["quick"] is True
+    rows = {row["label"]: row for row in result["rows"]}
+    assert list(rows) == ["unsharded", "tp 2", "dp 2", "tp 4", "dp 4"]
+    assert rows["unsharded"]["sent_per_rank"] == 0
+    for label in ("tp 2", "tp 4"):
+        assert rows[label]["check"] is True and rows[label]["sent_per_rank"] > 0
+    assert all(row["time"] > 0 for row in rows.values())
+    assert "one all-reduce each way" in done.stdout

@@ -54,6 +54,7 @@ PURE = [
     "netdist.parallel.flat_param",
     "netdist.parallel.fsdp_strategy",
     "netdist.parallel.fsdp_stats",
+    "netdist.parallel.tp_layout",
     "netdist.checkpoint.metadata",
     "netdist.checkpoint.planner",
     "netdist.checkpoint.options",

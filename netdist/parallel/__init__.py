@@ -1,11 +1,13 @@
-"""Data parallelism (gradient aggregators), FSDP / ZeRO and pipeline parallelism.
+"""Data parallelism (gradient aggregators), FSDP / ZeRO, tensor and pipeline parallelism.
 
-The aggregators (dense bucketed all-reduce, float16, top-k) and ``FSDP`` are importable
-from here; FSDP's other names and the pipeline live in sibling modules
-(``netdist.parallel.fsdp``, ``.pipeline``, ``.stages``, ``.schedule``) and are imported
-from them directly. Names resolve on first use (``netdist._lazy``), so importing a PURE
-module of this package (``stages``, ``schedule``, ``flat_param``, ``fsdp_strategy``,
-``fsdp_stats``) does not load the aggregators, the collectives or ``asyncio``.
+The aggregators (dense bucketed all-reduce, float16, top-k), ``FSDP`` and the NumPy
+tensor-parallel layers (``ColumnParallelLinear``, ``RowParallelLinear``,
+``VocabParallelEmbedding``) are importable from here; FSDP's other names and the
+pipeline live in sibling modules (``netdist.parallel.fsdp``, ``.pipeline``, ``.stages``,
+``.schedule``) and are imported from them directly. Names resolve on first use
+(``netdist._lazy``), so importing a PURE module of this package (``stages``,
+``schedule``, ``flat_param``, ``fsdp_strategy``, ``fsdp_stats``, ``tp_layout``) does not
+load the aggregators, the collectives or ``asyncio``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ _EXPORTS: dict[str, str] = {
     "plan_buckets": "netdist.parallel.aggregators",
     "FSDP": "netdist.parallel.fsdp",
     "ShardingStrategy": "netdist.parallel.fsdp",
+    "ColumnParallelLinear": "netdist.parallel.tensor_parallel",
+    "RowParallelLinear": "netdist.parallel.tensor_parallel",
+    "VocabParallelEmbedding": "netdist.parallel.tensor_parallel",
 }
 
 __all__ = list(_EXPORTS)
@@ -45,6 +50,11 @@ if TYPE_CHECKING:  # static analysers see the eager imports
         plan_buckets,
     )
     from netdist.parallel.fsdp import FSDP, ShardingStrategy
+    from netdist.parallel.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
 else:
     from netdist._lazy import attach as _attach
 

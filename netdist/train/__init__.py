@@ -17,6 +17,7 @@ _EXPORTS: dict[str, str] = {
     "Parameter": "netdist.train.nn",
     "Module": "netdist.train.nn",
     "Linear": "netdist.train.nn",
+    "Embedding": "netdist.train.nn",
     "ReLU": "netdist.train.nn",
     "Tanh": "netdist.train.nn",
     "Sequential": "netdist.train.nn",
@@ -40,6 +41,7 @@ __all__ = [
     "Parameter",
     "Module",
     "Linear",
+    "Embedding",
     "ReLU",
     "Tanh",
     "Sequential",
@@ -67,7 +69,8 @@ if TYPE_CHECKING:
         shard_indices,
     )
     from netdist.train.losses import log_softmax, mse_loss, softmax_cross_entropy
-    from netdist.train.nn import Linear, Module, Parameter, ReLU, Sequential, Tanh, mlp
+    from netdist.train.nn import (Embedding, Linear, Module, Parameter, ReLU, Sequential,
+                                  Tanh, mlp)
     from netdist.train.optimizers import SGD, Adam, Optimizer
     from netdist.train.step import GradReady, distributed_train_step
 else:

@@ -36,6 +36,7 @@ __all__ = [
     "GradReadyHook",
     "Module",
     "Linear",
+    "Embedding",
     "ReLU",
     "Tanh",
     "Sequential",
@@ -156,6 +157,18 @@ def _check_input(x: np.ndarray, features: int, who: str) -> None:
                          f"got shape {x.shape}")
 
 
+def _init_checks(who: str, rows: int, cols: int, rng: Any, dtype: Any) -> np.dtype[Any]:
+    """Check a parametrised layer's sizes, ``rng`` and floating ``dtype``; the dtype."""
+    if rows < 1 or cols < 1:
+        raise ValueError(f"{who} needs positive sizes, got {rows}x{cols}")
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+    dt = np.dtype(dtype)
+    if dt.kind != "f":
+        raise TypeError(f"{who} needs a floating dtype, got {dt}")
+    return dt
+
+
 class Linear(Module):
     """``y = x @ weight.T + bias`` with weight ``(out_f, in_f)`` and bias ``(out_f,)``.
 
@@ -167,13 +180,7 @@ class Linear(Module):
 
     def __init__(self, in_features: int, out_features: int, *, rng: np.random.Generator,
                  dtype: Any = np.float64, bias: bool = True) -> None:
-        if in_features < 1 or out_features < 1:
-            raise ValueError(f"Linear needs positive sizes, got {in_features}x{out_features}")
-        if not isinstance(rng, np.random.Generator):
-            raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
-        dt = np.dtype(dtype)
-        if dt.kind != "f":
-            raise TypeError(f"Linear needs a floating dtype, got {dt}")
+        dt = _init_checks("Linear", in_features, out_features, rng, dtype)
         self.in_features = in_features
         self.out_features = out_features
         bound = 1.0 / math.sqrt(in_features)
@@ -208,6 +215,49 @@ class Linear(Module):
     def __repr__(self) -> str:
         return (f"Linear({self.in_features}, {self.out_features}, "
                 f"bias={self.bias is not None}, dtype={self.weight.data.dtype})")
+
+
+class Embedding(Module):
+    """A lookup table: ``y = weight[ids]`` with weight ``(num_embeddings, embedding_dim)``.
+
+    Initialised like ``torch.nn.Embedding``: every entry drawn from N(0, 1) by ``rng``.
+    ``ids`` is an integer array of any shape, each id in ``[0, num_embeddings)``; the
+    output has shape ``ids.shape + (embedding_dim,)``. Backward adds each row of
+    ``grad_out`` into the weight row its id selected (``np.add.at``, so repeated ids
+    accumulate). Integer ids have no gradient: backward returns zeros of ``ids.shape``
+    (in the weight's dtype), so an ``Embedding`` first in a ``Sequential`` needs nothing
+    special.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 rng: np.random.Generator, dtype: Any = np.float64) -> None:
+        dt = _init_checks("Embedding", num_embeddings, embedding_dim, rng, dtype)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        weight = rng.standard_normal((num_embeddings, embedding_dim)).astype(dt)
+        self.weight = Parameter("weight", weight)
+
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        return [("weight", self.weight)]
+
+    def forward(self, x: np.ndarray) -> tuple[np.ndarray, Any]:
+        ids = np.asarray(x)
+        if ids.dtype.kind not in ("i", "u"):
+            raise TypeError(f"Embedding.forward: ids must be integers, got dtype {ids.dtype}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_embeddings):
+            raise ValueError(f"Embedding.forward: ids must lie in [0, {self.num_embeddings}), "
+                             f"got ids from {ids.min()} to {ids.max()}")
+        return self.weight.data[ids], ids
+
+    def backward(self, ctx: Any, grad_out: np.ndarray) -> np.ndarray:
+        ids: np.ndarray = ctx
+        np.add.at(self.weight.grad, ids.reshape(-1),
+                  grad_out.reshape(-1, self.embedding_dim))
+        return np.zeros(ids.shape, self.weight.data.dtype)
+
+    def __repr__(self) -> str:
+        return (f"Embedding({self.num_embeddings}, {self.embedding_dim}, "
+                f"dtype={self.weight.data.dtype})")
 
 
 class ReLU(Module):

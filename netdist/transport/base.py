@@ -20,12 +20,15 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from netdist.errors import TransportClosedError
 from netdist.transport.traffic import PeerTraffic, Traffic
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["Transport", "MAX_TAG", "as_payload_array"]
 
@@ -133,6 +136,18 @@ class Transport(abc.ABC):
         Answered from what the transport knows, without waiting and without connecting:
         a ``Group`` names the lost members in its timeout messages from this. Transports
         that cannot tell return ``None`` (the default).
+        """
+        return None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop this transport's connections live on, where its coroutines (and
+        a ``Group``'s over it) must run; ``None`` for a transport bound to no loop (the
+        default: ``InProcessTransport`` runs on whichever loop awaits it).
+
+        Synchronous code on another thread hands such a coroutine over with
+        ``asyncio.run_coroutine_threadsafe(coro, transport.loop)`` (the tensor-parallel
+        layers do, ``netdist.parallel.tp_comm``).
         """
         return None
 

@@ -492,6 +492,13 @@ class TcpTransport(Transport):
     def spin_seconds(self) -> float:
         return self.spin.seconds
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the transport was connected on: its sockets, reader tasks and
+        heartbeats run there, and so must every coroutine of it or of a ``Group`` over it
+        (with ``netdist.connect()``, the progress thread's loop)."""
+        return self._loop
+
     def host_keys(self) -> tuple[bytes, ...] | None:
         """Every rank's host key from the rendezvous table (``None`` if one is missing)."""
         if self.world_size == 1:
