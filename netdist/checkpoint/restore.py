@@ -24,11 +24,23 @@ With ``like``:
   the stored tensor's destination (a model whose slice is a view of its weight: the
   weight is read in place and the slice, sharing its memory, with it).
 
+A ``ShardedArray`` on a mesh in ``like`` (a torch ``DTensor`` too: its local tensor) is
+filled with the piece its placements give its rank on the *new* mesh: a collective load
+builds that placement from every rank's place and local shape, exactly as a save does;
+a per-rank load takes the even split (netdist's rule, or torch's when only that one
+gives the rank its shape). Any saved placement reads into any other: the pieces that
+overlap the wanted region are read, nothing else.
+
 Without ``like`` the saved tree is rebuilt with fresh arrays; leaves that were torch
 tensors come back as torch tensors (when torch is importable), views as views of their
 stored tensor's fresh array (sharing its memory, as they did), and bfloat16 without
 ``ml_dtypes`` comes back as ``torch.bfloat16`` or, without torch either, as a clear
-``CheckpointMismatchError`` raised before any byte is read.
+``CheckpointMismatchError`` raised before any byte is read. A mesh-placed tensor comes
+back, at the world size that saved it, as this rank's saved piece in a ``ShardedArray``
+on the saved mesh (its placements, a ``MeshPosition`` with this rank's coordinate; a
+``DTensor`` cannot be rebuilt without torch's device mesh); at another world size as a
+``ShardedArray`` split evenly along the first dim its placements shard (replicated when
+they shard none).
 """
 
 from __future__ import annotations
@@ -61,10 +73,16 @@ from netdist.checkpoint.state import (
     subtree_objects,
     unflatten_state,
 )
-from netdist.checkpoint.summary import ShardExtent
+from netdist.checkpoint.summary import MeshExtent, ShardExtent, mesh_sharding_of
 from netdist.checkpoint.views import VIEW_NODE, TensorView, numpy_view, same_memory
 from netdist.errors import CheckpointCorruptError, CheckpointMismatchError
-from netdist.sharding import chunk_bounds
+from netdist.sharding import ChunkRule, MeshPosition, MeshSharding, chunk_bounds, mesh_coordinate
+
+Extent = ShardExtent | MeshExtent
+"""What a rank of a collective load told the others about a ``ShardedArray`` of ``like``."""
+Place = Callable[[str, str, Any], tuple[Box, np.ndarray]]
+"""``place(name, path, leaf)``: the box of saved tensor ``name`` that ``like``'s leaf at
+``path`` receives, and the array it is read into."""
 
 __all__ = [
     "RANK_OBJECT_POLICIES",
@@ -328,14 +346,16 @@ def _torch_names(metadata: ShardMetadata) -> set[str]:
 
 def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int, *,
                  strict: bool, rank_objects: RankObjects | str,
-                 extents: Sequence[Mapping[str, ShardExtent]] | None = None) -> RestorePlan:
+                 extents: Sequence[Mapping[str, Extent]] | None = None) -> RestorePlan:
     """Plan ``rank``'s share of a load at ``world_size`` (module docstring).
 
-    ``extents`` (collective loads) holds every rank's :class:`ShardExtent` by name for
-    the ``ShardedArray`` leaves of its ``like``, which places each rank's shard; without
-    it (per-rank loads) a ``ShardedArray`` must cover exactly this rank's part of the even
-    re-split (``chunk_sizes``). Raises ``CheckpointMismatchError`` for anything ``like``
-    cannot receive, before any byte is read.
+    ``extents`` (collective loads) holds every rank's :class:`ShardExtent` or
+    :class:`MeshExtent` by path for the ``ShardedArray`` leaves of its ``like`` (stateful
+    objects' included), which places each rank's shard; without it (per-rank loads) a
+    ``ShardedArray`` must cover exactly this rank's part of the even re-split
+    (``chunk_sizes``; on a mesh, netdist's or torch's even split). Raises
+    ``CheckpointMismatchError`` for anything ``like`` cannot receive, before any byte
+    is read.
     """
     policy = check_rank_objects(rank_objects)
     specs = metadata.tensor_specs
@@ -362,6 +382,9 @@ def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int,
     saved = _saved_paths(metadata)
     stateful_paths = [slot.path for slot in flat.statefuls]
 
+    def place(name: str, path: str, value: Any) -> tuple[Box, np.ndarray]:
+        return _like_destination(name, path, specs[name], value, rank, world_size, extents)
+
     # 1. tensor leaves of `like` outside stateful objects: filled in place
     like_paths = [*flat.tensors, *flat.aliases]
     missing = sorted(p for p in like_paths if p not in saved)
@@ -383,8 +406,7 @@ def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int,
             views.append((path, view, value))
             continue
         name = saved[path]["k"]
-        box, dest = _like_destination(name, path, specs[name], value, rank, world_size,
-                                      extents)
+        box, dest = place(name, path, value)
         targets.claim(name, box, dest, value)
     for path, view, value in views:
         targets.view_into(path, view, value)
@@ -413,12 +435,13 @@ def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int,
         if sub is None:
             raise CheckpointMismatchError(f"the checkpoint holds no state for {slot.path!r} "
                                           f"({type(slot.obj).__name__})")
-        appliers.append(_plan_stateful(slot.path, slot.obj, sub, targets, pick, strict))
+        appliers.append(_plan_stateful(slot.path, slot.obj, sub, targets, pick, place,
+                                       strict))
 
     def finish() -> Any:
         for apply in appliers:
             apply()
-        return unflatten_state(flat.skeleton, flat.tensors, loaded_objects,
+        return unflatten_state(flat.skeleton, flat.leaves(), loaded_objects,
                                {slot.path: slot.obj for slot in flat.statefuls})
 
     return RestorePlan(targets.wanted, targets.dests, targets.copies, finish,
@@ -426,7 +449,7 @@ def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int,
 
 
 def _like_destination(name: str, path: str, spec: TensorShardSpec, value: Any, rank: int,
-                      world_size: int, extents: Sequence[Mapping[str, ShardExtent]] | None
+                      world_size: int, extents: Sequence[Mapping[str, Extent]] | None
                       ) -> tuple[Box, np.ndarray]:
     """The box a ``like`` leaf receives and the array it is read into."""
     if not isinstance(value, ShardedArray):
@@ -435,11 +458,18 @@ def _like_destination(name: str, path: str, spec: TensorShardSpec, value: Any, r
             raise CheckpointMismatchError(f"{name!r}: `like` must hold writeable arrays")
         return full_box(spec.full_shape), dest
     dest, dim = leaf_array(value.data, name), value.shard_dim
+    if not dest.flags.writeable:
+        raise CheckpointMismatchError(f"{name!r}: `like` must hold writeable arrays")
+    if dim is None:
+        return _mesh_box(name, path, spec, value, dest, rank, world_size, extents), dest
     if dim >= len(spec.full_shape):
         raise CheckpointMismatchError(f"{name!r}: `like` shards dim {dim} of a "
                                       f"{len(spec.full_shape)}-d tensor")
     if extents is not None:  # collective: every rank's extent is known
-        per_rank = [e[path] for e in extents]
+        per_rank = [e for e in (x.get(path) for x in extents) if isinstance(e, ShardExtent)]
+        if len(per_rank) != len(extents):
+            raise CheckpointMismatchError(f"{name!r}: `like` holds it as a ShardedArray "
+                                          f"along dim {dim} on rank {rank}, not on every rank")
         offset = sum(e.extent for e in per_rank[:rank])
         total = sum(e.extent for e in per_rank)
         tiles = all(e.shard_dim == dim for e in per_rank) and total == spec.full_shape[dim]
@@ -455,16 +485,64 @@ def _like_destination(name: str, path: str, spec: TensorShardSpec, value: Any, r
             f"shape {spec.full_shape}")
     corners = list(full_box(spec.full_shape))
     corners[dim] = (offset, offset + dest.shape[dim])
-    if not dest.flags.writeable:
-        raise CheckpointMismatchError(f"{name!r}: `like` must hold writeable arrays")
     return tuple(corners), dest
 
 
+def _mesh_box(name: str, path: str, spec: TensorShardSpec, value: ShardedArray,
+              dest: np.ndarray, rank: int, world_size: int,
+              extents: Sequence[Mapping[str, Extent]] | None) -> Box:
+    """The box a ``ShardedArray`` on a mesh receives: its piece on the new mesh."""
+    position = value.mesh
+    if not isinstance(position, MeshPosition) or value.placements is None:  # pragma: no cover
+        raise CheckpointMismatchError(f"{name!r}: not placed on a mesh")
+    if extents is not None:  # collective: the placement from every rank's piece
+        per_rank = [e.get(path) for e in extents]
+        sharding = mesh_sharding_of(
+            name, [e.place if isinstance(e, MeshExtent) else None for e in per_rank],
+            [e.shape if isinstance(e, MeshExtent) else () for e in per_rank])
+    else:
+        if (position.size, position.rank) != (world_size, rank):
+            raise CheckpointMismatchError(
+                f"{name!r}: `like` places it at mesh rank {position.rank} of "
+                f"{position.size}, but this is rank {rank} of {world_size}")
+        sharding = _even_mesh(name, spec, value.placements, position, tuple(dest.shape))
+    if sharding.full_shape != spec.full_shape:
+        raise CheckpointMismatchError(
+            f"{name!r}: the pieces in `like` make up a tensor of shape {sharding.full_shape}, "
+            f"the checkpoint holds {spec.full_shape}")
+    return sharding.piece_box(sharding.piece_of(rank))
+
+
+def _even_mesh(name: str, spec: TensorShardSpec, placements: Any, position: MeshPosition,
+               shape: tuple[int, ...]) -> MeshSharding:
+    """The even split (netdist's or torch's) that gives ``position``'s rank a piece of
+    ``shape``; ``CheckpointMismatchError`` when neither does, or both do differently."""
+    if any(getattr(p, "dim", 0) >= len(spec.full_shape) for p in placements):
+        raise CheckpointMismatchError(f"{name!r}: placements {list(placements)} name dims a "
+                                      f"{len(spec.full_shape)}-d tensor lacks")
+    fits = {}
+    for rule in ChunkRule:
+        candidate = MeshSharding.even(spec.full_shape, position.shape, placements, rule)
+        box = candidate.piece_box(candidate.piece_of(position.rank))
+        if box_shape(box) == shape:
+            fits[box] = candidate
+    if len(fits) != 1:
+        reason = "neither netdist's nor torch's even split gives" if not fits else \
+            "netdist's and torch's even splits give different regions of that shape to"
+        raise CheckpointMismatchError(
+            f"{name!r}: {reason} mesh rank {position.rank} the piece of shape {shape} it "
+            f"holds in `like` ({list(placements)} on a mesh of shape {position.shape}, full "
+            f"shape {spec.full_shape}); load collectively, where every rank's piece is known")
+    return next(iter(fits.values()))
+
+
 def _plan_stateful(path: str, obj: Any, sub: Any, targets: _Targets,
-                   pick: Callable[[str, Mapping[str, Any] | None], Any],
+                   pick: Callable[[str, Mapping[str, Any] | None], Any], place: Place,
                    strict: bool) -> Callable[[], None]:
     """Claim destinations for the saved sub-tree ``sub`` of a stateful at ``path``;
-    return the step that hands the rebuilt sub-tree to its ``load_state_dict``."""
+    return the step that hands the rebuilt sub-tree to its ``load_state_dict``. Shards
+    it holds (a module's ``DTensor`` parameters) are filled in place where ``place``
+    puts them, and handed back as the ``DTensor``s they are."""
     current_state = obj.state_dict()
     current = flatten_state(current_state, prefix=path, merge_views=False)
     saved_here = dict(skeleton_tensors(sub, path))
@@ -493,7 +571,10 @@ def _plan_stateful(path: str, obj: Any, sub: Any, targets: _Targets,
         if name in targets.leaves:
             continue
         box = full_box(targets.specs[name].full_shape)
-        if value is not None and not isinstance(value, ShardedArray):
+        if isinstance(value, ShardedArray):
+            box, dest = place(name, tensor_path, value)
+            targets.claim(name, box, dest, current.dtensors.get(tensor_path, value.data))
+        elif value is not None:
             targets.claim(name, box, leaf_array(value, name), value)
         else:
             targets.fresh(name, box, as_torch)
@@ -525,10 +606,15 @@ def _plan_fresh(metadata: ShardMetadata, targets: _Targets, rank: int, world_siz
     torch_names = _torch_names(metadata)
     leaves: dict[str, Any] = {}
     for name, spec in metadata.rebalanced(world_size).items():
-        box = spec.box(rank) if spec.shard_dim is not None else full_box(spec.full_shape)
-        leaf = targets.fresh(name, box, name in torch_names)
-        leaves[name] = ShardedArray(leaf, spec.shard_dim) if spec.shard_dim is not None \
-            else leaf
+        leaf = targets.fresh(name, spec.box(rank), name in torch_names)
+        if spec.mesh is not None and metadata.mesh is not None:
+            shape = tuple(metadata.mesh["shape"])
+            position = MeshPosition(shape, tuple(metadata.mesh["names"]),
+                                    mesh_coordinate(shape, rank))
+            leaf = ShardedArray(leaf, placements=spec.mesh.placements, mesh=position)
+        elif spec.shard_dim is not None:
+            leaf = ShardedArray(leaf, spec.shard_dim)
+        leaves[name] = leaf
     if layout is None:
         return RestorePlan(targets.wanted, targets.dests, targets.copies,
                            lambda: dict(leaves))
