@@ -146,6 +146,11 @@ def _specs_for(state_dict: Mapping[str, Any],
         given = shard_spec.tensor_specs
     else:
         given = shard_spec
+        placed = sorted(name for name, spec in given.items() if spec.mesh is not None)
+        if placed:
+            raise ValueError(f"{placed[0]!r} is placed on a mesh: pass a ShardMetadata that "
+                             f"records the mesh (ShardMetadata(world_size, specs, mesh="
+                             f"{{'shape': [...], 'names': [...]}})) as shard_spec")
     missing = sorted(set(given) - set(arrays))
     unknown = sorted(set(arrays) - set(given))
     if missing or unknown:

@@ -82,7 +82,8 @@ from netdist.checkpoint.restore import (
     check_rank_objects,
     plan_restore,
 )
-from netdist.checkpoint.state import ShardedArray, flatten_state, leaf_array, state_summary
+from netdist.checkpoint.state import (ShardedArray, flatten_state, leaf_array, mesh_position,
+                                     state_summary)
 from netdist.checkpoint.storage import check_file_sizes, read_metadata_text
 from netdist.checkpoint.summary import (
     MeshPlace,
@@ -212,6 +213,15 @@ def _local_summary(state: Any, check: ReplicaCheck
     return RankSummary(tensors, state_summary(flat)), arrays
 
 
+def _mesh_record(mesh: Any) -> Mapping[str, Any] | None:
+    """``save``'s ``mesh=`` as ``metadata.json`` records it: a mapping as it is, a
+    ``MeshPosition`` (or a ``DeviceMesh``, by its ``position``) as ``{"shape", "names"}``."""
+    if mesh is None or isinstance(mesh, Mapping):
+        return mesh
+    position = mesh_position(mesh)
+    return {"shape": list(position.shape), "names": list(position.names)}
+
+
 def _saved_mesh(summaries: Sequence[RankSummary], given: Mapping[str, Any] | None
                 ) -> Mapping[str, Any] | None:
     """The mesh ``metadata.json`` records: the one the mesh-placed tensors sit on (which
@@ -240,7 +250,7 @@ def _pin_diverged(specs: Mapping[str, TensorShardSpec], diverged: Mapping[str, l
 async def save(state: Any, dir: str | os.PathLike[str], group: GroupLike, *,
                step: int | None = None,
                keep_last: int | None = None, overwrite: bool = False,
-               extra: Mapping[str, Any] | None = None, mesh: Mapping[str, Any] | None = None,
+               extra: Mapping[str, Any] | None = None, mesh: Any = None,
                check_replicated: ReplicaCheck | str | bool = ReplicaCheck.WARN,
                timeout: float | None = None) -> SaveResult:
     """Save ``state`` collectively as ``dir/step_N`` (every rank of ``group`` calls this).
@@ -265,9 +275,10 @@ async def save(state: Any, dir: str | os.PathLike[str], group: GroupLike, *,
     and then nothing is committed. A ``ShardedArray`` placed on a mesh (or a torch
     ``DTensor``) is saved with its placements; each distinct piece is written once, by
     one of the ranks holding it, and ``metadata.json`` records the mesh (``mesh``, when
-    given, must then name the same ``{"shape", "names"}``). Once the checkpoint is committed it returns: a
-    ``latest`` that could not be rewritten or an old checkpoint that could not be
-    rotated away is in the result's ``latest_updated`` / ``warnings``. Cancelling (or a
+    given, must then name the same ``{"shape", "names"}``; a ``MeshPosition`` or a
+    ``DeviceMesh`` stands for its shape and names). Once the checkpoint is committed it
+    returns: a ``latest`` that could not be rewritten or an old checkpoint that could not
+    be rotated away is in the result's ``latest_updated`` / ``warnings``. Cancelling (or a
     timeout) before the commit leaves a hidden staging directory, which is never loaded
     and is removed by the next save (a shard write already running in its thread
     completes in the background).
@@ -276,8 +287,8 @@ async def save(state: Any, dir: str | os.PathLike[str], group: GroupLike, *,
     check_keep_last(keep_last)
     check = _replica_check(check_replicated)
     coordinator = _GroupSave(state, Path(dir), group, step=step, keep_last=keep_last,
-                             overwrite=overwrite, extra=extra, mesh=mesh, check=check,
-                             timeout=timeout)
+                             overwrite=overwrite, extra=extra, mesh=_mesh_record(mesh),
+                             check=check, timeout=timeout)
     return await run_save(coordinator, started)
 
 

@@ -41,10 +41,8 @@ from netdist.errors import CheckpointCorruptError, CheckpointVersionError
 from netdist.sharding import (
     MAX_NDIM,
     ChunkRule,
-    MeshPlacement,
     MeshSharding,
     Placement,
-    Replicate,
     Shard,
     TensorShardSpec,
     chunk_bounds,
@@ -64,10 +62,6 @@ __all__ = [
     "Placement",
     "TensorShardSpec",
     "MeshSharding",
-    "MeshPlacement",
-    "Shard",
-    "Replicate",
-    "ChunkRule",
     "Writer",
     "check_mesh",
     "without_mesh",
@@ -130,8 +124,8 @@ def check_mesh(mesh: Any, num_ranks: int | None = None) -> dict[str, list[Any]]:
         raise ValueError(f"mesh names {names!r:.80} are not {len(shape)} distinct non-empty "
                          f"strings, one per dimension of the mesh shape {list(shape)}")
     if num_ranks is not None and math.prod(shape) != num_ranks:
-        raise ValueError(f"the mesh of shape {list(shape)} has {math.prod(shape)} ranks, but "
-                         f"the checkpoint was saved by {num_ranks}")
+        raise ValueError(f"the mesh of shape {list(shape)} has {math.prod(shape)} ranks, the "
+                         f"checkpoint was saved by {num_ranks}")
     return {"shape": [int(n) for n in shape], "names": list(names)}
 
 
@@ -617,7 +611,8 @@ class ShardMetadata:
                     writers[name] = tuple(_strict_int(w, "a writer")
                                           for w in _json_list(entry["writers"], "writers"))
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise ValueError(f"tensor {name!r}: {_describe_error(exc)}") from exc
+                detail = _describe_error(exc) if isinstance(exc, KeyError) else str(exc)
+                raise ValueError(f"tensor {name!r}: {detail}") from exc
         files = tuple(FileRecord.from_json(f) for f in _json_list(data.get("files", []),
                                                                      "files"))
         if num_ranks < 1 or num_ranks != len(files):

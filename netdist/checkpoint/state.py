@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from netdist.checkpoint.metadata import StateLayout, decode_json_value, encode_json_value
-from netdist.sharding import MeshPlacement, MeshPosition, Replicate, Shard
+from netdist.sharding import MeshPlacement, MeshPosition, MeshSharding
 from netdist.checkpoint.views import VIEW_NODE, TensorView
 from netdist.errors import CheckpointCorruptError, CheckpointMismatchError
 
@@ -149,16 +149,8 @@ class ShardedArray:
                              f"not shard_dim={self.shard_dim}")
         position = mesh_position(self.mesh)
         placements = tuple(self.placements)
-        if len(placements) != len(position.shape):
-            raise ValueError(f"{len(placements)} placements for a mesh of shape "
-                             f"{position.shape} (one per mesh dimension)")
-        for placement in placements:
-            if not isinstance(placement, (Shard, Replicate)):
-                raise TypeError(f"placements hold Shard(dim) or Replicate(), got "
-                                f"{placement!r:.60}")
-            if isinstance(placement, Shard) and placement.dim >= ndim:
-                raise ValueError(f"{placement!r} names dim {placement.dim} of a {ndim}-d "
-                                 f"array")
+        # checks the placements (one per mesh dim, Shard or Replicate, dims of data)
+        MeshSharding.even(tuple(self.data.shape), position.shape, placements)
         object.__setattr__(self, "shard_dim", None)
         object.__setattr__(self, "placements", placements)
         object.__setattr__(self, "mesh", position)

@@ -100,8 +100,8 @@ class TensorSummary:
     mesh: MeshPlace | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        wire = {"dtype": self.dtype, "shape": list(self.shape), "shard_dim": self.shard_dim,
-                "crc32": self.crc32}
+        wire: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape),
+                                "shard_dim": self.shard_dim, "crc32": self.crc32}
         if self.mesh is not None:
             wire["mesh"] = self.mesh.to_wire()
         return wire
