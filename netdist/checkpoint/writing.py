@@ -144,8 +144,9 @@ class SaveTarget:
     ``specs`` (the same on every rank) and ``arrays`` (this rank's local arrays, by name)
     are the tensors; ``pinned`` names the pieces (``(tensor, piece)``) whose writer is
     fixed (a collective save's diverged replicas, saved from the lowest rank holding
-    each): the dedup planner assigns the others. The rank files go into ``directory`` (a staging directory, or the
-    checkpoint itself when it is written in place), which is ``final`` once committed;
+    each): the dedup planner assigns the others. The rank files go into ``directory``
+    (a staging directory, or the checkpoint itself when it is written in place), which
+    is ``final`` once committed;
     ``step``, ``extra``, ``mesh`` and ``generation`` go into the metadata.
     """
 

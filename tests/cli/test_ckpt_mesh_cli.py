@@ -113,7 +113,8 @@ def test_reshard_to_another_mesh_keeps_the_placements(root: Path, tmp_path: Path
     # and on to one rank, still a mesh (of one) with its placements
     one = tmp_path / "one"
     assert main(["ckpt", "reshard", str(out), "--mesh", "dp=1,tp=1", str(one)]) == 0
-    assert load_metadata(one).tensor_specs["grid"].mesh.placements == PLACEMENTS["grid"]  # type: ignore[union-attr]
+    grid = load_metadata(one).tensor_specs["grid"].mesh
+    assert grid is not None and grid.placements == PLACEMENTS["grid"]
     got = load_distributed(one, 0, 1)
     assert all(got[name].tobytes() == full.tobytes() for name, full in FULL.items())
 

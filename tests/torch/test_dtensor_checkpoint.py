@@ -35,7 +35,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 from netdist.checkpoint import load, load_distributed, load_metadata, save
 
-from .torch_ranks import CANDIDATE, TEST_TIMEOUT, assert_bitwise_equal, init_process_group, run_ranks
+from .torch_ranks import (CANDIDATE, TEST_TIMEOUT, assert_bitwise_equal, init_process_group,
+                          run_ranks)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT)]
 
