@@ -59,6 +59,7 @@ PURE = [
     "netdist.checkpoint.planner",
     "netdist.checkpoint.options",
     "netdist.checkpoint.summary",
+    "netdist.checkpoint.regions",
     "netdist.checkpoint.group_like",
     "netdist.netlab.layout",
 ]

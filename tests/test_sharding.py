@@ -262,3 +262,107 @@ def test_flat_slot_overlap_with_shards() -> None:
     sizes = tuple(hi - lo for lo, hi in (slot.overlap(a, b) for a, b in chunk_bounds(12, 4)))
     assert sizes == (0, 3, 3, 0)
     assert TensorShardSpec((slot.numel,), 0, sizes).local_shape(1) == (3,)
+
+
+# --------------------------------------------------------------------------- mesh placements
+
+
+def test_torch_chunk_sizes_are_ceil_sized_with_the_last_smaller_or_empty() -> None:
+    from netdist.sharding import torch_chunk_sizes
+
+    assert torch_chunk_sizes(5, 4) == [2, 2, 1, 0]
+    assert torch_chunk_sizes(11, 4) == [3, 3, 3, 2]
+    assert torch_chunk_sizes(0, 3) == [0, 0, 0]
+    assert torch_chunk_sizes(9, 4) == [3, 3, 3, 0]
+
+
+def test_placement_labels_round_trip_and_refuse_anything_else() -> None:
+    from netdist.sharding import Replicate, Shard, parse_placement, placement_label
+
+    for placement in (Shard(0), Shard(17), Replicate()):
+        assert parse_placement(placement_label(placement)) == placement
+    for bad in ("S(x)", "S(-1)", "S(123)", "Shard(0)", "r", 0, None):
+        with pytest.raises(ValueError):
+            parse_placement(bad)
+
+
+def test_mesh_pieces_number_row_major_and_split_dims_mixed_radix() -> None:
+    from netdist.sharding import ChunkRule, MeshSharding, Replicate, Shard
+
+    # dp x tp = 2 x 3; dim 0 by dp, dim 1 by tp: piece = dp * 3 + tp, held by its rank
+    grid = MeshSharding.even((5, 7), (2, 3), (Shard(0), Shard(1)))
+    assert grid.extents == ((3, 2), (3, 2, 2)) and grid.num_pieces == 6
+    assert [grid.piece_of(r) for r in range(6)] == list(range(6))
+    assert grid.piece_box(4) == ((3, 5), (3, 5))
+    # dim 0 by dp and tp at once: dp the more significant digit
+    both = MeshSharding.even((9, 2), (2, 2), (Shard(0), Shard(0)))
+    assert both.extents == ((3, 2, 2, 2), (2,)) and both.piece_box(2) == ((5, 7), (0, 2))
+    assert MeshSharding.even((9, 2), (2, 2), (Shard(0), Shard(0)), ChunkRule.TORCH).extents \
+        == ((3, 2, 2, 2), (2,))  # 9 -> 5, 4 -> (3, 2), (2, 2)
+    # replicated along dp: ranks (0, 2) and (1, 3) hold the same pieces
+    col = MeshSharding.even((4, 6), (2, 2), (Replicate(), Shard(1)))
+    assert col.piece_holders() == ((0, 2), (1, 3))
+    assert MeshSharding.even((4,), (2, 2), (Replicate(), Replicate())).piece_holders() == \
+        ((0, 1, 2, 3),)
+
+
+def test_mesh_placement_from_local_shapes_and_its_checks() -> None:
+    from netdist.sharding import MeshSharding, Replicate, Shard
+
+    got = MeshSharding.from_local_shapes((2, 2), (Replicate(), Shard(0)),
+                                         [(2, 3), (5, 3), (2, 3), (5, 3)])
+    assert got.extents == ((2, 5), (3,)) and got.full_shape == (7, 3)
+    with pytest.raises(ValueError, match="rank 3 holds 4 along dim 0, rank 1 holds 5"):
+        MeshSharding.from_local_shapes((2, 2), (Replicate(), Shard(0)),
+                                       [(2, 3), (5, 3), (2, 3), (4, 3)])
+    with pytest.raises(ValueError, match="rank 1 holds 2 along dim 1, rank 0 holds 3"):
+        MeshSharding.from_local_shapes((2,), (Shard(0),), [(2, 3), (5, 2)])
+    with pytest.raises(ValueError, match="3 local shapes for a mesh of shape"):
+        MeshSharding.from_local_shapes((2, 2), (Replicate(), Shard(0)), [(1,)] * 3)
+    with pytest.raises(ValueError, match="names dim 1 of a 1-d tensor"):
+        MeshSharding((2,), (Shard(1),), ((4,),))
+    with pytest.raises(ValueError, match="cut dim 0 into 2 pieces, but 3 extents"):
+        MeshSharding((2,), (Shard(0),), ((1, 1, 1),))
+    with pytest.raises(TypeError):
+        MeshSharding((2,), ("S(0)",), ((1, 1),))  # type: ignore[arg-type]
+
+
+def test_mesh_spec_json_round_trip_and_pieces() -> None:
+    from netdist.sharding import ChunkRule, MeshSharding, Replicate, Shard
+
+    spec = TensorShardSpec.on_mesh((5, 4), (2, 2), (Shard(1), Shard(0)), dtype=np.int16,
+                                   rule=ChunkRule.TORCH)
+    assert spec.placement is Placement.MESH and not spec.is_replicated
+    assert spec.num_shards is None and spec.num_ranks == 4 and spec.num_pieces == 4
+    assert spec.to_json() == {"dtype": "int16", "shape": [5, 4], "placement": "mesh",
+                              "placements": ["S(1)", "S(0)"], "extents": [[3, 2], [2, 2]]}
+    assert TensorShardSpec.from_json(spec.to_json(), (2, 2)) == spec
+    with pytest.raises(ValueError, match="no mesh shape"):
+        TensorShardSpec.from_json(spec.to_json())
+    assert spec.box(1) == ((3, 5), (0, 2)) and spec.local_shape(2) == (3, 2)
+    with pytest.raises(ValueError, match="sum to 4, but dim 0"):
+        TensorShardSpec((5, 4), None, (), None, MeshSharding((2,), (Shard(0),), ((2, 2), (4,))))
+    with pytest.raises(ValueError, match="shard_dim=None"):
+        TensorShardSpec((4,), 0, (), None, MeshSharding((2,), (Replicate(),), ((4,),)))
+
+
+@given(st.lists(st.integers(1, 3), min_size=1, max_size=3),
+       st.lists(st.integers(0, 7), min_size=1, max_size=3), st.data())
+def test_mesh_pieces_tile_the_tensor_and_holders_partition_the_ranks(
+        mesh: list[int], shape: list[int], data: Any) -> None:
+    from netdist.sharding import ChunkRule, MeshSharding, Replicate, Shard
+
+    choices = st.one_of(st.just(Replicate()),
+                        st.integers(0, len(shape) - 1).map(Shard))
+    placements = tuple(data.draw(choices) for _ in mesh)
+    rule = data.draw(st.sampled_from(list(ChunkRule)))
+    split = MeshSharding.even(tuple(shape), tuple(mesh), placements, rule)
+    cover = np.zeros(shape, dtype=np.int64)
+    for piece in range(split.num_pieces):
+        cover[tuple(slice(lo, hi) for lo, hi in split.piece_box(piece))] += 1
+    assert (cover == 1).all()
+    holders = split.piece_holders()
+    assert sorted(r for h in holders for r in h) == list(range(split.num_ranks))
+    shapes = [tuple(hi - lo for lo, hi in split.piece_box(split.piece_of(r)))
+              for r in range(split.num_ranks)]
+    assert MeshSharding.from_local_shapes(tuple(mesh), placements, shapes) == split

@@ -11,7 +11,9 @@ Entry points:
 
 - collective, over a ``Group``: ``await save(state, dir, group, step=N, keep_last=K)`` and
   ``await load(dir, group, like=state)`` for nested training state (parameters,
-  ``ShardedArray`` shards, optimizer state, counters, RNGs), torch included: tensors,
+  ``ShardedArray`` shards - along one dim, or pieces placed on a device mesh, each written
+  once and resharded onto any other mesh -, optimizer state, counters, RNGs), torch
+  included (``DTensor``s as mesh pieces): tensors,
   ``state_dict()``s as they are, and modules / optimizers / ``RNGState`` themselves,
   restored in place through ``load_state_dict()`` (lazy optimizer state created, tied
   weights stored once and tied again; ``ReplicaCheck`` for replicas that differ,

@@ -146,6 +146,11 @@ def _specs_for(state_dict: Mapping[str, Any],
         given = shard_spec.tensor_specs
     else:
         given = shard_spec
+        placed = sorted(name for name, spec in given.items() if spec.mesh is not None)
+        if placed:
+            raise ValueError(f"{placed[0]!r} is placed on a mesh: pass a ShardMetadata that "
+                             f"records the mesh (ShardMetadata(world_size, specs, mesh="
+                             f"{{'shape': [...], 'names': [...]}})) as shard_spec")
     missing = sorted(set(given) - set(arrays))
     unknown = sorted(set(arrays) - set(given))
     if missing or unknown:
@@ -154,8 +159,8 @@ def _specs_for(state_dict: Mapping[str, Any],
     specs = {}
     for name, spec in given.items():
         array = arrays[name]
-        if spec.num_shards is not None and spec.num_shards != world_size:
-            raise ValueError(f"{name!r} is split over {spec.num_shards} ranks, world_size "
+        if spec.num_ranks is not None and spec.num_ranks != world_size:
+            raise ValueError(f"{name!r} is split over {spec.num_ranks} ranks, world_size "
                              f"is {world_size}")
         expected = spec.local_shape(rank)
         if tuple(array.shape) != expected:
@@ -418,9 +423,10 @@ def load_distributed(dir: str | os.PathLike[str], rank: int, world_size: int, *,
     """Load ``rank``'s share of a checkpoint for a job of ``world_size`` ranks.
 
     Same world size as the save: each rank gets exactly the shards it saved (plus the
-    replicated tensors, wherever dedup stored them). Different world size: every sharded
-    tensor is re-split along its saved dim with ``chunk_sizes`` and only the byte ranges
-    covering this rank's new shard are read. Returns a flat dict of tensor names to
+    replicated tensors, wherever dedup stored them; a mesh-placed tensor: its rank's
+    piece). Different world size: every sharded tensor is re-split along its saved dim
+    with ``chunk_sizes`` (a mesh-placed one along the first dim its placements shard)
+    and only the byte ranges covering this rank's new shard are read. Returns a flat dict of tensor names to
     NumPy arrays (bfloat16 without ``ml_dtypes``: ``torch.bfloat16`` tensors, or a
     ``CheckpointMismatchError`` naming the dtype when torch is missing too). ``out`` may
     supply preallocated destination arrays or CPU torch tensors (filled in place; no
@@ -449,8 +455,7 @@ def load_distributed(dir: str | os.PathLike[str], rank: int, world_size: int, *,
                        threads=threads)
         return restore.complete()
     targets = metadata.rebalanced(world_size)
-    wanted = {name: spec.box(rank) if spec.shard_dim is not None else
-              tuple((0, n) for n in spec.full_shape) for name, spec in targets.items()}
+    wanted = {name: spec.box(rank) for name, spec in targets.items()}
     plan = plan_reads(metadata.tensor_specs, metadata.writers, wanted)
     check_file_sizes(directory, metadata, read_ranks(plan))  # before sizing any buffer
     dests: dict[str, np.ndarray] = {}

@@ -75,26 +75,31 @@ from netdist.checkpoint.metadata import (
     step_dir_name,
 )
 from netdist.checkpoint.options import RankObjects, ReplicaCheck, parse_option
-from netdist.checkpoint.planner import plan_reads
+from netdist.checkpoint.planner import Piece, plan_reads
 from netdist.checkpoint.reading import CheckpointReader, resolve_checkpoint
 from netdist.checkpoint.restore import (
     RANK_OBJECT_POLICIES,
     check_rank_objects,
     plan_restore,
 )
-from netdist.checkpoint.state import ShardedArray, flatten_state, leaf_array, state_summary
+from netdist.checkpoint.state import (ShardedArray, flatten_state, leaf_array, mesh_position,
+                                     state_summary)
 from netdist.checkpoint.storage import check_file_sizes, read_metadata_text
 from netdist.checkpoint.summary import (
+    MeshPlace,
     RankFailure,
     RankSummary,
-    ShardExtent,
     TensorSummary,
+    checkpoint_mesh,
     describe_diverged,
+    extent_from_wire,
     merge_rank_summaries,
+    shard_extent,
 )
 from netdist.checkpoint.writing import (SaveCoordinator, SaveResult, SaveTarget,
                                         check_keep_last, run_save)
-from netdist.errors import CheckpointError, ConfigError
+from netdist.errors import CheckpointError, CheckpointMismatchError, ConfigError
+from netdist.sharding import Replicate, TensorShardSpec
 
 __all__ = ["save", "load", "GroupLike", "RankObjects", "RANK_OBJECT_POLICIES", "ReplicaCheck",
            "ReplicaDivergenceWarning"]
@@ -176,29 +181,76 @@ async def _discard(staging: Path) -> None:
     await asyncio.to_thread(shutil.rmtree, staging, True)
 
 
+def _shared(value: Any) -> bool:
+    """Whether other ranks hold the same piece as this leaf (a replicated tensor, or a
+    mesh piece replicated along a mesh dim of more than one rank)."""
+    if not isinstance(value, ShardedArray):
+        return True
+    return value.on_mesh and any(isinstance(p, Replicate) and n > 1 for p, n in
+                                 zip(value.placements or (), value.mesh.shape))
+
+
 def _local_summary(state: Any, check: ReplicaCheck
                    ) -> tuple[RankSummary, dict[str, np.ndarray]]:
-    """This rank's :class:`RankSummary` of ``state`` and its tensors as arrays by name."""
+    """This rank's :class:`RankSummary` of ``state`` and its tensors as arrays by name
+    (a torch ``DTensor`` as its local tensor, placed on its mesh)."""
     flat = flatten_state(state)
     tensors = {}
     arrays: dict[str, np.ndarray] = {}
     for name, value in flat.tensors.items():
+        place = None
         if isinstance(value, ShardedArray):
             array, dim = leaf_array(value.data, name), value.shard_dim
+            place = MeshPlace.of(value) if value.on_mesh else None
         else:
             array, dim = leaf_array(value, name), None
         crc = None
-        if check is not ReplicaCheck.OFF and dim is None:
+        if check is not ReplicaCheck.OFF and _shared(value):
             crc = zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
-        tensors[name] = TensorSummary(dtype_name(array.dtype), tuple(array.shape), dim, crc)
+        tensors[name] = TensorSummary(dtype_name(array.dtype), tuple(array.shape), dim, crc,
+                                      place)
         arrays[name] = array
     return RankSummary(tensors, state_summary(flat)), arrays
+
+
+def _mesh_record(mesh: Any) -> Mapping[str, Any] | None:
+    """``save``'s ``mesh=`` as ``metadata.json`` records it: a mapping as it is, a
+    ``MeshPosition`` (or a ``DeviceMesh``, by its ``position``) as ``{"shape", "names"}``."""
+    if mesh is None or isinstance(mesh, Mapping):
+        return mesh
+    position = mesh_position(mesh)
+    return {"shape": list(position.shape), "names": list(position.names)}
+
+
+def _saved_mesh(summaries: Sequence[RankSummary], given: Mapping[str, Any] | None
+                ) -> Mapping[str, Any] | None:
+    """The mesh ``metadata.json`` records: the one the mesh-placed tensors sit on (which
+    a ``mesh=`` given to ``save`` must then name alike), else ``given`` as it is."""
+    found = checkpoint_mesh(summaries)
+    if found is None:
+        return given
+    if given is not None and dict(given) != found:
+        raise CheckpointMismatchError(f"save(mesh={dict(given)!r}) differs from the mesh the "
+                                      f"tensors are placed on, {found}")
+    return found
+
+
+def _pin_diverged(specs: Mapping[str, TensorShardSpec], diverged: Mapping[str, list[int]],
+                  num_ranks: int) -> dict[Piece, int]:
+    """Every shared piece of a tensor whose copies differ is saved from the lowest rank
+    holding it (rank 0 for a replicated tensor)."""
+    pinned: dict[Piece, int] = {}
+    for name in diverged:
+        for piece, holders in enumerate(specs[name].piece_holders(num_ranks)):
+            if len(holders) > 1:
+                pinned[name, piece] = holders[0]
+    return pinned
 
 
 async def save(state: Any, dir: str | os.PathLike[str], group: GroupLike, *,
                step: int | None = None,
                keep_last: int | None = None, overwrite: bool = False,
-               extra: Mapping[str, Any] | None = None, mesh: Mapping[str, Any] | None = None,
+               extra: Mapping[str, Any] | None = None, mesh: Any = None,
                check_replicated: ReplicaCheck | str | bool = ReplicaCheck.WARN,
                timeout: float | None = None) -> SaveResult:
     """Save ``state`` collectively as ``dir/step_N`` (every rank of ``group`` calls this).
@@ -220,9 +272,13 @@ async def save(state: Any, dir: str | os.PathLike[str], group: GroupLike, *,
     :class:`GroupLike`. Returns this rank's :class:`SaveResult`; raises
     ``CheckpointError`` (or a subclass) on every rank if any rank fails (an OS error
     names the rank and the file; a ``dir`` that is a file says it is not a directory),
-    and then nothing is committed. Once the checkpoint is committed it returns: a
-    ``latest`` that could not be rewritten or an old checkpoint that could not be
-    rotated away is in the result's ``latest_updated`` / ``warnings``. Cancelling (or a
+    and then nothing is committed. A ``ShardedArray`` placed on a mesh (or a torch
+    ``DTensor``) is saved with its placements; each distinct piece is written once, by
+    one of the ranks holding it, and ``metadata.json`` records the mesh (``mesh``, when
+    given, must then name the same ``{"shape", "names"}``; a ``MeshPosition`` or a
+    ``DeviceMesh`` stands for its shape and names). Once the checkpoint is committed it
+    returns: a ``latest`` that could not be rewritten or an old checkpoint that could not
+    be rotated away is in the result's ``latest_updated`` / ``warnings``. Cancelling (or a
     timeout) before the commit leaves a hidden staging directory, which is never loaded
     and is removed by the next save (a shard write already running in its thread
     completes in the background).
@@ -231,8 +287,8 @@ async def save(state: Any, dir: str | os.PathLike[str], group: GroupLike, *,
     check_keep_last(keep_last)
     check = _replica_check(check_replicated)
     coordinator = _GroupSave(state, Path(dir), group, step=step, keep_last=keep_last,
-                             overwrite=overwrite, extra=extra, mesh=mesh, check=check,
-                             timeout=timeout)
+                             overwrite=overwrite, extra=extra, mesh=_mesh_record(mesh),
+                             check=check, timeout=timeout)
     return await run_save(coordinator, started)
 
 
@@ -294,20 +350,24 @@ class _GroupSave(SaveCoordinator):
         staging = root / staged_as
         try:
             specs, self.layout, diverged = merge_rank_summaries(summaries, self.check)
+            mesh = _saved_mesh(summaries, self.mesh)
         except CheckpointError:
             if rank == 0:
                 await _discard(staging)
             raise
-        pinned: dict[str, int] = {}
-        if diverged:  # ReplicaCheck.WARN: every rank warns, rank 0's copy is the one saved
-            pinned.update((name, 0) for name in diverged)
+        # ReplicaCheck.WARN: every rank warns, rank 0's copy (the lowest holder's of each
+        # mesh piece) is the one saved
+        pinned = _pin_diverged(specs, diverged, self.world_size)
+        if diverged:
+            placed = {name for name in diverged if specs[name].mesh is not None}
             warnings.warn(ReplicaDivergenceWarning(
                 f"checkpoint step {chosen}: replicated tensors differ between ranks: "
-                f"{describe_diverged(diverged)}; saving rank 0's copy of each "
-                f"(check_replicated='error' refuses instead)"),
+                f"{describe_diverged(diverged, placed=placed)}; saving rank 0's copy of each "
+                f"(of a mesh-placed tensor, the lowest holding rank's copy of each piece; "
+                f"check_replicated='error' refuses instead)"),
                 stacklevel=4)  # the caller of save (through run_save)
         return SaveTarget(specs, arrays, staging, root / step_dir_name(chosen), chosen,
-                          self.extra or {}, mesh=self.mesh, pinned=pinned)
+                          self.extra or {}, mesh=mesh, pinned=pinned)
 
     async def share(self, target: SaveTarget, written: FileRecord | BaseException
                     ) -> list[Any] | None:
@@ -389,17 +449,15 @@ async def load(dir: str | os.PathLike[str], group: GroupLike, *, like: Any = Non
     _raise_gathered("checkpoint load", [found], rank, local_error)
     directory = Path(found["path"])
 
-    extents: dict[str, ShardExtent] = {}
     status: dict[str, Any] = {"ok": True}
     metadata: ShardMetadata | None = None
     try:
         metadata = ShardMetadata.loads(found["metadata"], str(directory / METADATA_FILE))
-        if like is not None:
-            leaves = flatten_state(like, keep_statefuls=True, merge_views=False).tensors
-            for name, value in leaves.items():
-                if isinstance(value, ShardedArray):
-                    extents[name] = ShardExtent(value.shard_dim,
-                                                int(value.data.shape[value.shard_dim]))
+        extents = {}
+        if like is not None:  # stateful objects expanded: shards they hold count too
+            leaves = flatten_state(like, merge_views=False).tensors
+            extents = {name: shard_extent(value) for name, value in leaves.items()
+                       if isinstance(value, ShardedArray)}
         status = {"extents": {name: e.to_wire() for name, e in extents.items()}}
     except Exception as exc:
         local_error, status = exc, _describe(exc)
@@ -411,7 +469,7 @@ async def load(dir: str | os.PathLike[str], group: GroupLike, *, like: Any = Non
 
     result: Any = None
     try:
-        every_extent = [{name: ShardExtent.from_wire(e) for name, e in g["extents"].items()}
+        every_extent = [{name: extent_from_wire(e) for name, e in g["extents"].items()}
                         for g in gathered]
         with os_errors(rank, f"read checkpoint {directory}"):
             # every rank file must hold what the metadata records before buffers are sized

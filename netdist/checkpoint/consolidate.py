@@ -20,7 +20,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,13 +34,15 @@ from netdist.checkpoint.metadata import (
     ShardMetadata,
     StateLayout,
     TensorShardSpec,
+    check_mesh,
     encode_json_value,
     parse_step_dir_name,
     rank_file_name,
 )
 from netdist.checkpoint.options import (RESHARD_RANK_OBJECTS, RankObjects, TiedTensors,
                                         parse_option)
-from netdist.checkpoint.planner import Box, assign_writers, box_shape, plan_reads, plan_writes
+from netdist.checkpoint.planner import (Box, assign_writers, box_shape, box_size, plan_reads,
+                                       plan_writes)
 from netdist.checkpoint.reading import CheckpointReader, resolve_checkpoint
 from netdist.checkpoint.state import skeleton_tensors
 from netdist.checkpoint.storage import (
@@ -53,10 +55,12 @@ from netdist.checkpoint.storage import (
 from netdist.checkpoint.views import VIEW_NODE, TensorView, numpy_view
 from netdist.checkpoint.writing import rank_file_metadata
 from netdist.errors import CheckpointError, CheckpointMismatchError, ConfigError
+from netdist.sharding import Shard, placement_label
 
 __all__ = [
     "TensorRow",
     "VerifyReport",
+    "mesh_of",
     "inspect_checkpoint",
     "verify_checkpoint",
     "consolidate",
@@ -130,17 +134,45 @@ def _writing(out: Path) -> Iterator[None]:
         raise CheckpointError(f"cannot write {out}: {exc.strerror or exc}") from exc
 
 
+def mesh_of(metadata: ShardMetadata) -> dict[str, list[Any]] | None:
+    """The checkpoint's mesh as ``{"shape": [...], "names": [...]}``, or None when it
+    records none (or only a free-form value, as checkpoints before mesh placements could)."""
+    try:
+        return check_mesh(metadata.mesh, metadata.num_ranks)
+    except ValueError:
+        return None
+
+
+def _mesh_layout(spec: TensorShardSpec, writers: tuple[int, ...]) -> str:
+    """``mesh (R, S(0)) dim 0 [4,4]`` (and who stores a piece every rank holds)."""
+    mesh = spec.mesh
+    if mesh is None:  # pragma: no cover - called for mesh-placed tensors only
+        raise ValueError("not a mesh-placed tensor")
+    labels = ", ".join(placement_label(p) for p in mesh.placements)
+    dims = sorted({p.dim for p in mesh.placements if isinstance(p, Shard)})
+    cuts = " ".join(f"dim {d} [{','.join(str(n) for n in mesh.extents[d])}]" for d in dims)
+    if not cuts:
+        cuts = f"replicated (stored by rank {writers[0]})"
+    return f"mesh ({labels}) {cuts}"
+
+
 def inspect_checkpoint(path: str | os.PathLike[str], step: int | None = None
                        ) -> tuple[Path, ShardMetadata, list[TensorRow]]:
-    """The checkpoint directory, its metadata and one row per tensor."""
+    """The checkpoint directory, its metadata and one row per tensor (``ranks``: the
+    ranks whose files hold some of its bytes)."""
     directory = resolve_checkpoint(path, step)
     metadata = read_metadata(directory)
     rows = []
     for name, spec in metadata.tensor_specs.items():
-        if spec.shard_dim is None:
+        if spec.mesh is not None:
+            writers = metadata.piece_writers(name)
+            layout = _mesh_layout(spec, writers)
+            ranks: tuple[int, ...] = tuple(sorted({
+                rank for piece, rank in enumerate(writers) if box_size(spec.piece_box(piece))}))
+        elif spec.shard_dim is None:
             writer = metadata.writers.get(name)
             layout = f"replicated (stored by rank {writer})"
-            ranks: tuple[int, ...] = (writer,) if writer is not None else ()
+            ranks = (writer,) if isinstance(writer, int) else ()
         else:
             sizes = ",".join(str(s) for s in spec.shard_sizes)
             layout = f"dim {spec.shard_dim} [{sizes}]"
@@ -370,21 +402,50 @@ def _remap_state(state: StateLayout | None, old: int, new: int, policy: RankObje
         f"{old} to {new} ranks; choose rank_objects='modulo', 'rank0' or 'drop'")
 
 
+def _new_mesh(metadata: ShardMetadata, sizes: Mapping[str, int], world_size: int | None
+              ) -> dict[str, list[Any]]:
+    """The mesh ``sizes`` (name -> size) gives the checkpoint's mesh; ``ConfigError``
+    unless it names exactly the saved mesh's dims, each >= 1 (and has ``world_size``
+    ranks, when given)."""
+    saved = mesh_of(metadata)
+    if saved is None:
+        raise ConfigError("the checkpoint has no mesh (no tensor is placed on one); "
+                          "reshard it to a world size instead")
+    names = saved["names"]
+    if set(sizes) != set(names):
+        raise ConfigError(f"the new mesh names dims {sorted(sizes)}, the checkpoint's mesh "
+                          f"has {names}; give a size for each of {', '.join(names)}")
+    shape = [sizes[n] for n in names]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
+        raise ConfigError(f"mesh sizes must be ints >= 1, got {dict(sizes)}")
+    if world_size is not None and math.prod(shape) != world_size:
+        raise ConfigError(f"the mesh {dict(sizes)} has {math.prod(shape)} ranks, not the "
+                          f"{world_size} of world_size")
+    return {"shape": shape, "names": list(names)}
+
+
 def reshard_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
-                       world_size: int, *, step: int | None = None, verify: bool = True,
+                       world_size: int | None = None, *, mesh: Mapping[str, int] | None = None,
+                       step: int | None = None, verify: bool = True,
                        rank_objects: RankObjects | str = RankObjects.ERROR,
                        progress: Progress | None = None,
                        chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ShardMetadata:
-    """Rewrite a checkpoint for ``world_size`` ranks into the directory ``out``.
+    """Rewrite a checkpoint for ``world_size`` ranks, or for the device mesh ``mesh``,
+    into the directory ``out``.
 
     Sharded tensors are re-split along their dim with ``chunk_sizes``; replicated ones are
-    re-assigned by the dedup planner. Streams chunk by chunk; ``metadata.json`` is written
+    re-assigned by the dedup planner. ``mesh`` (dim name -> size, the saved mesh's dims,
+    e.g. ``{"dp": 1, "tp": 4}``) keeps every mesh-placed tensor's placements on a mesh of
+    those sizes (split evenly, netdist's rule); with ``world_size`` alone a mesh-placed
+    tensor is split along the first dim its placements shard (replicated if none), as a
+    load without a mesh gives it. Streams chunk by chunk; ``metadata.json`` is written
     last. ``rank_objects`` (:class:`RankObjects`) maps per-rank values: ``ERROR``,
     ``MODULO``, ``RANK0`` or ``DROP`` (or their strings, ``"error"``, ...).
     ``out`` must not overlap the source (``ConfigError``, checked before anything is
     written): a checkpoint rewritten into itself would be corrupted.
     """
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+    if world_size is not None and (not isinstance(world_size, int)
+                                   or isinstance(world_size, bool) or world_size < 1):
         raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
     policy = parse_option(rank_objects, RankObjects, "rank_objects", "reshard_checkpoint",
                           RESHARD_RANK_OBJECTS)
@@ -392,24 +453,34 @@ def reshard_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str]
     out = Path(out)
     _check_output_dir(out, Path(path), directory)
     metadata = read_metadata(directory)
-    state = _remap_state(metadata.state, metadata.num_ranks, world_size, policy)
+    new_mesh: dict[str, list[Any]] | None = None
+    if mesh is not None:
+        new_mesh = _new_mesh(metadata, mesh, world_size)
+        ranks = math.prod(new_mesh["shape"])
+        specs = metadata.remeshed(new_mesh["shape"])
+    elif world_size is not None:
+        ranks = world_size
+        specs = metadata.rebalanced(ranks)
+        if any(spec.mesh is not None for spec in specs.values()):  # the same world size
+            new_mesh = mesh_of(metadata)
+    else:
+        raise ConfigError("reshard_checkpoint needs a world_size or a mesh")
+    state = _remap_state(metadata.state, metadata.num_ranks, ranks, policy)
     if (out / METADATA_FILE).exists():
         raise CheckpointError(f"{out} already holds a checkpoint")
     with _writing(out):
         out.mkdir(parents=True, exist_ok=True)
-    specs = metadata.rebalanced(world_size)
-    writers = assign_writers(specs, world_size)
-    plan = plan_writes(specs, world_size, writers)
+    writers = assign_writers(specs, ranks)
+    plan = plan_writes(specs, ranks, writers)
     total = sum(plan.bytes_per_rank)
     records = []
     written = 0
     with CheckpointReader(directory, metadata, verify=verify) as reader:
-        for rank in range(world_size):
+        for rank in range(ranks):
             sources = []
             for item in plan.for_rank(rank):
                 spec = specs[item.name]
-                box = spec.box(rank) if spec.shard_dim is not None else \
-                    tuple((0, n) for n in spec.full_shape)
+                box = spec.box(rank)  # this rank's piece: a shard, the whole, a mesh piece
                 dtype = CHECKPOINT_DTYPES[spec.dtype or "uint8"]
                 sources.append(TensorSource(item.name, spec.dtype or "uint8", item.shape,
                                             chunks=_chunks(reader, item.name, box, dtype,
@@ -418,12 +489,12 @@ def reshard_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str]
             name = rank_file_name(rank)
             with _writing(out / name):
                 size, checksum = write_safetensors(
-                    out / name, sources, metadata=rank_file_metadata(rank, world_size),
+                    out / name, sources, metadata=rank_file_metadata(rank, ranks),
                     progress=None if progress is None else
                     lambda n: progress(base + n, total))
             records.append(FileRecord(rank, name, size, checksum))
             written = base + plan.bytes_per_rank[rank]
-    new = ShardMetadata(num_ranks=world_size, tensor_specs=specs, mesh=None,
+    new = ShardMetadata(num_ranks=ranks, tensor_specs=specs, mesh=new_mesh,
                         extra=metadata.extra, step=metadata.step, writers=writers,
                         files=tuple(records), state=state)
     with _writing(out / METADATA_FILE):

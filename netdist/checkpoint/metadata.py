@@ -1,9 +1,11 @@
 """PURE checkpoint metadata: shard specs, file records and the ``metadata.json`` codec.
 
 A checkpoint is described by one :class:`ShardMetadata`: how many ranks wrote it, how
-every tensor is placed (sharded along one dimension with explicit per-rank sizes, or
-replicated), which rank's file holds each replicated tensor, and one
-:class:`FileRecord` per rank file with its size and block checksums. The JSON form is
+every tensor is placed (sharded along one dimension with explicit per-rank sizes,
+replicated, or on the checkpoint's device mesh with one ``Shard``/``Replicate`` per mesh
+dimension), which rank's file holds each replicated tensor and each piece of a
+mesh-placed one, and one :class:`FileRecord` per rank file with its size and block
+checksums. The JSON form is
 specified byte by byte in ``docs/PROTOCOL.md`` ("Checkpoint layout").
 
 Parsing is defensive: a checkpoint may come from anywhere, so every document is read by
@@ -36,7 +38,16 @@ import numpy as np
 from netdist.checkpoint.dtypes import CHECKPOINT_DTYPES, dtype_name
 from netdist.checkpoint.views import VIEW_NODE, TensorView
 from netdist.errors import CheckpointCorruptError, CheckpointVersionError
-from netdist.sharding import MAX_NDIM, Placement, TensorShardSpec, chunk_bounds, chunk_sizes
+from netdist.sharding import (
+    MAX_NDIM,
+    ChunkRule,
+    MeshSharding,
+    Placement,
+    Shard,
+    TensorShardSpec,
+    chunk_bounds,
+    chunk_sizes,
+)
 
 __all__ = [
     "FORMAT_NAME",
@@ -50,6 +61,10 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "Placement",
     "TensorShardSpec",
+    "MeshSharding",
+    "Writer",
+    "check_mesh",
+    "without_mesh",
     "FileRecord",
     "StateLayout",
     "ShardMetadata",
@@ -85,6 +100,45 @@ _HEX_RE = re.compile(r"[0-9a-fA-F]*")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _TAG = "$nd"
 _BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
+
+
+Writer = int | tuple[int, ...]
+"""Who stores a tensor: the rank holding a replicated tensor, or for a mesh-placed one
+the rank holding each of its pieces, in piece order. (A sharded tensor's shards are
+stored by their own ranks.)"""
+
+
+def check_mesh(mesh: Any, num_ranks: int | None = None) -> dict[str, list[Any]]:
+    """``mesh`` as the checked ``{"shape": [...], "names": [...]}`` of a checkpoint whose
+    tensors are placed on it: a shape of ints >= 1 (of ``num_ranks`` ranks in all, when
+    given), one distinct non-empty name per dimension. ``ValueError`` otherwise."""
+    if not isinstance(mesh, Mapping) or set(mesh) != {"shape", "names"}:
+        raise ValueError(f"the mesh must be {{\"shape\": [...], \"names\": [...]}}, got "
+                         f"{mesh!r:.80}")
+    shape, names = mesh["shape"], mesh["names"]
+    if not isinstance(shape, (list, tuple)) or not shape or len(shape) > MAX_NDIM or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
+        raise ValueError(f"mesh shape {shape!r:.80} is not a list of 1 to {MAX_NDIM} ints >= 1")
+    if not isinstance(names, (list, tuple)) or len(names) != len(shape) or not all(
+            isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"mesh names {names!r:.80} are not {len(shape)} distinct non-empty "
+                         f"strings, one per dimension of the mesh shape {list(shape)}")
+    if num_ranks is not None and math.prod(shape) != num_ranks:
+        raise ValueError(f"the mesh of shape {list(shape)} has {math.prod(shape)} ranks, the "
+                         f"checkpoint was saved by {num_ranks}")
+    return {"shape": [int(n) for n in shape], "names": list(names)}
+
+
+def without_mesh(spec: TensorShardSpec, num_ranks: int) -> TensorShardSpec:
+    """A mesh-placed tensor on ``num_ranks`` ranks without a mesh: split evenly
+    (``chunk_sizes``) along the first tensor dim its placements shard, or replicated if
+    they shard none. Other specs are returned as they are."""
+    if spec.mesh is None:
+        return spec
+    dims = sorted(p.dim for p in spec.mesh.placements if isinstance(p, Shard))
+    if not dims:
+        return TensorShardSpec.replicated(spec.full_shape, spec.dtype)
+    return TensorShardSpec.even(spec.full_shape, num_ranks, dims[0], spec.dtype)
 
 
 def rank_file_name(rank: int) -> str:
@@ -269,7 +323,7 @@ class StateLayout:
             if kind == VIEW_NODE:
                 view = TensorView.from_node(node)
                 spec = tensors[view.base]
-                if spec.shard_dim is not None:
+                if not spec.is_replicated:
                     raise ValueError(f"a view of {view.base!r}, which is sharded (views "
                                      f"point into replicated tensors only)")
                 view.check(spec.full_shape)
@@ -316,12 +370,15 @@ class ShardMetadata:
     """Everything needed to read a checkpoint back, at any world size.
 
     ``num_ranks`` ranks saved it; ``tensor_specs`` maps tensor name to placement;
-    ``mesh`` optionally describes the device mesh (free-form, e.g.
-    ``{"shape": [2, 2], "dim_names": ["dp", "tp"]}``); ``extra`` holds free-form
+    ``mesh`` describes the device mesh: when a tensor is placed on it, the checked
+    ``{"shape": [2, 2], "names": ["dp", "tp"]}`` (:func:`check_mesh`: ``num_ranks`` ranks,
+    and every mesh-placed tensor on that shape); otherwise a free-form value (as
+    checkpoints before mesh placements had it) or None. ``extra`` holds free-form
     non-tensor state (encoded with :func:`encode_json_value`). Fields filled in by a save:
-    ``writers`` (replicated tensor -> rank whose file holds it), ``files`` (one record per
-    rank file), ``step``, ``state`` (the nested-state layout of a collective save) and
-    ``generation`` (bumped each time a directory is saved into again).
+    ``writers`` (a :data:`Writer` for every replicated and mesh-placed tensor: who stores
+    it, or each of its pieces), ``files`` (one record per rank file), ``step``, ``state``
+    (the nested-state layout of a collective save) and ``generation`` (bumped each time a
+    directory is saved into again).
     """
 
     num_ranks: int
@@ -330,7 +387,7 @@ class ShardMetadata:
     mesh: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     step: int | None = None
-    writers: Mapping[str, int] = field(default_factory=dict)
+    writers: Mapping[str, Writer] = field(default_factory=dict)
     files: tuple[FileRecord, ...] = ()
     state: StateLayout | None = None
     generation: int = 0
@@ -353,11 +410,51 @@ class ShardMetadata:
         object.__setattr__(self, "extra", dict(self.extra))
         object.__setattr__(self, "writers", dict(self.writers))
         object.__setattr__(self, "files", tuple(self.files))
+        placed = [name for name, spec in specs.items() if spec.mesh is not None]
+        if placed:
+            try:
+                mesh = check_mesh(self.mesh, self.num_ranks)
+            except ValueError as exc:
+                raise ValueError(f"tensor {placed[0]!r} is placed on a mesh, but {exc}") from None
+            object.__setattr__(self, "mesh", mesh)
+            for name in placed:
+                mesh_shape = specs[name].mesh.mesh_shape  # type: ignore[union-attr]
+                if list(mesh_shape) != mesh["shape"]:
+                    raise ValueError(f"tensor {name!r} is placed on a mesh of shape "
+                                     f"{list(mesh_shape)}, the checkpoint's mesh is "
+                                     f"{mesh['shape']}")
         for name, writer in self.writers.items():
-            if name not in specs or not specs[name].is_replicated:
-                raise ValueError(f"writer given for {name!r}, which is not a replicated tensor")
-            if not 0 <= writer < self.num_ranks:
-                raise ValueError(f"writer {writer} of {name!r} is not a rank")
+            self._check_writer(name, writer)
+
+    def _check_writer(self, name: str, writer: Any) -> None:
+        spec = self.tensor_specs.get(name)
+        if spec is None or spec.num_shards is not None:
+            raise ValueError(f"writer given for {name!r}, which is not a replicated or "
+                             f"mesh-placed tensor")
+        if spec.is_replicated:
+            if not isinstance(writer, (int, np.integer)) or not 0 <= writer < self.num_ranks:
+                raise ValueError(f"writer {writer!r:.40} of {name!r} is not a rank")
+            return
+        holders = spec.piece_holders(self.num_ranks)
+        if not isinstance(writer, tuple) or len(writer) != len(holders):
+            raise ValueError(f"tensor {name!r} has {len(holders)} pieces, but its writers are "
+                             f"{writer!r:.60} (one rank per piece)")
+        for piece, (rank, held_by) in enumerate(zip(writer, holders)):
+            if rank not in held_by:
+                raise ValueError(f"writer {rank!r:.20} of piece {piece} of tensor {name!r} "
+                                 f"does not hold that piece (ranks "
+                                 f"{', '.join(map(str, held_by[:8]))} do)")
+
+    def piece_writers(self, name: str) -> tuple[int, ...]:
+        """The rank whose file stores each piece of tensor ``name`` (a sharded tensor's
+        shards by their own ranks)."""
+        spec = self.tensor_specs[name]
+        writer = self.writers.get(name)
+        if spec.num_shards is not None:
+            return tuple(range(spec.num_shards))
+        if writer is None:
+            raise ValueError(f"tensor {name!r} has no writer")
+        return writer if isinstance(writer, tuple) else (writer,)
 
     def check_committed(self) -> None:
         """``ValueError`` unless this describes a complete, self-consistent checkpoint.
@@ -377,14 +474,12 @@ class ShardMetadata:
             if spec.dtype is None:
                 raise ValueError(f"tensor {name!r} has no dtype")
             itemsize = CHECKPOINT_DTYPES[spec.dtype].itemsize
-            if spec.shard_dim is None:
-                if name not in self.writers:
-                    raise ValueError(f"replicated tensor {name!r} has no writer")
-                needed[self.writers[name]] += math.prod(spec.full_shape) * itemsize
-                continue
-            rest = math.prod(spec.full_shape) // max(spec.full_shape[spec.shard_dim], 1)
-            for rank, extent in enumerate(spec.shard_sizes):
-                needed[rank] += extent * rest * itemsize
+            if spec.num_shards is None and name not in self.writers:
+                kind = "replicated" if spec.is_replicated else "mesh-placed"
+                raise ValueError(f"{kind} tensor {name!r} has no writer")
+            for piece, rank in enumerate(self.piece_writers(name)):
+                box = spec.piece_box(piece)
+                needed[rank] += math.prod(hi - lo for lo, hi in box) * itemsize
         for record in self.files:
             if needed[record.rank] > record.size:
                 raise ValueError(
@@ -403,8 +498,11 @@ class ShardMetadata:
         tensors = {}
         for name, spec in self.tensor_specs.items():
             entry = spec.to_json()
-            if name in self.writers:
-                entry["writer"] = self.writers[name]
+            writer = self.writers.get(name)
+            if isinstance(writer, tuple):
+                entry["writers"] = list(writer)
+            elif writer is not None:
+                entry["writer"] = writer
             tensors[name] = entry
         return {
             "format": FORMAT_NAME,
@@ -491,12 +589,30 @@ class ShardMetadata:
         tensors = data["tensors"]
         if not isinstance(tensors, dict):
             raise TypeError(f"tensors must be an object, got {tensors!r:.60}")
+        raw_mesh = data.get("mesh")
+        mesh = decode_json_value(raw_mesh) if raw_mesh is not None else None
+        placed = [name for name, entry in tensors.items()
+                  if isinstance(entry, dict) and entry.get("placement") == Placement.MESH.value]
+        if placed:
+            try:
+                mesh = check_mesh(mesh, num_ranks)
+            except ValueError as exc:
+                raise ValueError(f"tensor {placed[0]!r} is placed on a mesh, but {exc}") \
+                    from None
         specs = {}
-        writers = {}
+        writers: dict[str, Writer] = {}
         for name, entry in tensors.items():
-            specs[name] = TensorShardSpec.from_json(entry)
-            if "writer" in entry:
-                writers[name] = _strict_int(entry["writer"], f"writer of {name!r}")
+            try:
+                specs[name] = TensorShardSpec.from_json(
+                    entry, mesh["shape"] if placed and mesh is not None else None)
+                if "writer" in entry:
+                    writers[name] = _strict_int(entry["writer"], "writer")
+                if "writers" in entry:
+                    writers[name] = tuple(_strict_int(w, "a writer")
+                                          for w in _json_list(entry["writers"], "writers"))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                detail = _describe_error(exc) if isinstance(exc, KeyError) else str(exc)
+                raise ValueError(f"tensor {name!r}: {detail}") from exc
         files = tuple(FileRecord.from_json(f) for f in _json_list(data.get("files", []),
                                                                      "files"))
         if num_ranks < 1 or num_ranks != len(files):
@@ -509,7 +625,7 @@ class ShardMetadata:
             num_ranks=num_ranks,
             tensor_specs=specs,
             version=version,
-            mesh=decode_json_value(data["mesh"]) if data.get("mesh") is not None else None,
+            mesh=mesh,
             extra=decode_json_value(data.get("extra", {})),
             step=step,
             writers=writers,
@@ -529,17 +645,33 @@ class ShardMetadata:
 
     def rebalanced(self, num_ranks: int) -> dict[str, TensorShardSpec]:
         """Specs for ``num_ranks`` ranks: same dims, ``chunk_sizes`` split (same layout
-        if ``num_ranks`` equals the saved world size)."""
+        if ``num_ranks`` equals the saved world size). Without a mesh, a mesh-placed
+        tensor is split along the first dim its placements shard (:func:`without_mesh`)."""
         if num_ranks == self.num_ranks:
             return dict(self.tensor_specs)
         out = {}
         for name, spec in self.tensor_specs.items():
-            if spec.shard_dim is None:
+            if spec.mesh is not None:
+                out[name] = without_mesh(spec, num_ranks)
+            elif spec.shard_dim is None:
                 out[name] = spec
             else:
                 sizes = tuple(stop - start for start, stop in
                               chunk_bounds(spec.full_shape[spec.shard_dim], num_ranks))
                 out[name] = TensorShardSpec(spec.full_shape, spec.shard_dim, sizes, spec.dtype)
+        return out
+
+    def remeshed(self, mesh_shape: Sequence[int],
+                 rule: ChunkRule = ChunkRule.NETDIST) -> dict[str, TensorShardSpec]:
+        """Specs for a mesh of ``mesh_shape`` (same dimensions as the saved mesh, other
+        sizes): mesh-placed tensors keep their placements, split evenly by ``rule``;
+        the others are :meth:`rebalanced` over the mesh's ranks."""
+        shape = tuple(mesh_shape)
+        out = self.rebalanced(math.prod(shape))
+        for name, spec in self.tensor_specs.items():
+            if spec.mesh is not None:
+                out[name] = TensorShardSpec(spec.full_shape, None, (), spec.dtype,
+                                            spec.mesh.remeshed(shape, rule))
         return out
 
 

@@ -3,12 +3,14 @@
 Plans are functions of the metadata only, so every rank computes the same plan without
 talking to the others, and tests build every rank's plan in one process:
 
-- :func:`assign_writers` dedups replicated tensors: each is written once, by the rank with
-  the fewest planned bytes so far (largest tensors first, ties to the lowest rank): a
-  balanced greedy (LPT) schedule instead of "rank 0 writes everything".
+- :func:`assign_writers` dedups: every distinct piece of a tensor (the whole of a
+  replicated tensor, each cell of a mesh-placed one's shard grid) is written once, by the
+  rank among those holding it with the fewest planned bytes so far (largest pieces
+  first, ties to the lowest rank): a balanced greedy (LPT) schedule instead of "rank 0
+  writes everything".
 - :func:`plan_writes` lists, per rank, the arrays that go into its file.
 - :func:`plan_reads` maps a wanted region of each tensor (a box in full-tensor
-  coordinates) onto the stored shards that overlap it: only those regions are read.
+  coordinates) onto the stored pieces that overlap it: only those regions are read.
 - :func:`run_layout` describes a box of a C-ordered array as a grid of contiguous runs,
   which is what turns a read plan into ``pread`` calls.
 
@@ -23,12 +25,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from netdist.checkpoint.dtypes import CHECKPOINT_DTYPES
-from netdist.checkpoint.metadata import TensorShardSpec
+from netdist.checkpoint.metadata import TensorShardSpec, Writer
 from netdist.errors import CheckpointCorruptError, CheckpointMismatchError
 
 __all__ = [
     "read_ranks",
     "Box",
+    "Piece",
+    "writers_of",
     "WriteItem",
     "WritePlan",
     "ReadItem",
@@ -76,9 +80,32 @@ def _shift(box: Box, origin: Box) -> Box:
     return tuple((lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin))
 
 
+Piece = tuple[str, int]
+"""A tensor's piece: ``(tensor name, piece index)`` (``TensorShardSpec.piece_box``)."""
+
+
+def writers_of(name: str, spec: TensorShardSpec, writers: Mapping[str, Writer]) -> tuple[int, ...]:
+    """The rank storing each piece of ``name``: a sharded tensor's shards by their own
+    ranks, the others as ``writers`` records them (``CheckpointCorruptError`` when it
+    records none, or not one per piece)."""
+    if spec.num_shards is not None:
+        return tuple(range(spec.num_shards))
+    writer = writers.get(name)
+    if writer is None:
+        kind = "replicated" if spec.is_replicated else "mesh-placed"
+        raise CheckpointCorruptError(f"no writer recorded for {kind} tensor {name!r}")
+    found = writer if isinstance(writer, tuple) else (writer,)
+    if len(found) != spec.num_pieces:
+        raise CheckpointCorruptError(f"tensor {name!r} has {spec.num_pieces} pieces but "
+                                     f"{len(found)} writers are recorded")
+    return found
+
+
 @dataclass(frozen=True, slots=True)
 class WriteItem:
-    """One array in one rank's file: its name, local shape and whether it is replicated."""
+    """One array in one rank's file: its name, local shape and whether other ranks hold
+    the same piece (``replicated``: a replicated tensor, or a mesh piece with several
+    holders)."""
 
     name: str
     shape: tuple[int, ...]
@@ -92,7 +119,7 @@ class WritePlan:
     """Every rank's file contents; ``bytes_per_rank[r]`` is rank ``r``'s planned payload."""
 
     num_ranks: int
-    writers: Mapping[str, int]
+    writers: Mapping[str, Writer]
     items: tuple[tuple[WriteItem, ...], ...]
     bytes_per_rank: tuple[int, ...]
 
@@ -102,49 +129,60 @@ class WritePlan:
         return self.items[rank]
 
 
-def assign_writers(specs: Mapping[str, TensorShardSpec], num_ranks: int) -> dict[str, int]:
-    """Pick the one rank that writes each replicated tensor.
+def assign_writers(specs: Mapping[str, TensorShardSpec], num_ranks: int,
+                   pinned: Mapping[Piece, int] | None = None) -> dict[str, Writer]:
+    """Pick the one rank that writes each piece held by several ranks.
 
-    Start from each rank's sharded bytes; take replicated tensors largest first (ties by
-    name) and give each to the rank with the fewest planned bytes (ties to the lowest
-    rank). Deterministic: every rank computes the same answer from the same specs.
+    Start from each rank's pieces that only it holds (its shards); take the shared
+    pieces largest first (ties by name, then piece) and give each to the rank holding it
+    with the fewest planned bytes (ties to the lowest rank). ``pinned`` fixes the writer
+    of some pieces (counted first). Deterministic: every rank computes the same answer
+    from the same specs. Returns a :data:`Writer` per replicated tensor (a rank) and
+    per mesh-placed tensor (a rank per piece).
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    pinned = pinned or {}
     load = [0] * num_ranks
-    replicated = []
+    chosen: dict[Piece, int] = {}
+    shared = []
     for name, spec in specs.items():
         itemsize = _itemsize(spec)
-        if spec.shard_dim is None:
-            replicated.append((math.prod(spec.full_shape) * itemsize, name))
-        else:
-            for rank in range(num_ranks):
-                load[rank] += box_size(spec.box(rank)) * itemsize
-    writers = {}
-    for nbytes, name in sorted(replicated, key=lambda t: (-t[0], t[1])):
-        rank = min(range(num_ranks), key=lambda r: (load[r], r))
-        writers[name] = rank
+        for piece, holders in enumerate(spec.piece_holders(num_ranks)):
+            nbytes = box_size(spec.piece_box(piece)) * itemsize
+            rank = pinned.get((name, piece), holders[0] if len(holders) == 1 else None)
+            if rank is None:
+                shared.append((nbytes, name, piece, holders))
+                continue
+            chosen[name, piece] = rank
+            load[rank] += nbytes
+    for nbytes, name, piece, holders in sorted(shared, key=lambda t: (-t[0], t[1], t[2])):
+        rank = min(holders, key=lambda r: (load[r], r))
+        chosen[name, piece] = rank
         load[rank] += nbytes
-    return {name: writers[name] for name in specs if name in writers}
+    writers: dict[str, Writer] = {}
+    for name, spec in specs.items():
+        if spec.is_replicated:
+            writers[name] = chosen[name, 0]
+        elif spec.mesh is not None:
+            writers[name] = tuple(chosen[name, piece] for piece in range(spec.num_pieces))
+    return writers
 
 
 def plan_writes(specs: Mapping[str, TensorShardSpec], num_ranks: int,
-                writers: Mapping[str, int] | None = None) -> WritePlan:
-    """Plan every rank's file: its shards plus the replicated tensors it was assigned."""
+                writers: Mapping[str, Writer] | None = None) -> WritePlan:
+    """Plan every rank's file: the pieces it writes (its shards, the replicated tensors
+    and mesh pieces it was assigned), at most one piece of each tensor."""
     if writers is None:
         writers = assign_writers(specs, num_ranks)
     items: list[list[WriteItem]] = [[] for _ in range(num_ranks)]
     for name, spec in specs.items():
         itemsize = _itemsize(spec)
-        if spec.shard_dim is None:
-            rank = writers[name]
-            items[rank].append(WriteItem(name, spec.full_shape, spec.dtype,
-                                         box_size(spec.box(0)) * itemsize, True))
-            continue
-        for rank in range(num_ranks):
-            shape = spec.local_shape(rank)
-            items[rank].append(WriteItem(name, shape, spec.dtype,
-                                         math.prod(shape) * itemsize, False))
+        holders = spec.piece_holders(num_ranks)
+        for piece, rank in enumerate(writers_of(name, spec, writers)):
+            shape = box_shape(spec.piece_box(piece))
+            items[rank].append(WriteItem(name, shape, spec.dtype, math.prod(shape) * itemsize,
+                                         len(holders[piece]) > 1))
     totals = tuple(sum(item.nbytes for item in rank_items) for rank_items in items)
     return WritePlan(num_ranks, dict(writers), tuple(tuple(r) for r in items), totals)
 
@@ -176,14 +214,15 @@ def _some_names(saved: Mapping[str, object], limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def plan_reads(saved: Mapping[str, TensorShardSpec], writers: Mapping[str, int],
+def plan_reads(saved: Mapping[str, TensorShardSpec], writers: Mapping[str, Writer],
                wanted: Mapping[str, Box]) -> dict[str, tuple[ReadItem, ...]]:
     """For each wanted tensor region, the stored pieces that cover it.
 
     ``saved`` and ``writers`` describe the checkpoint; ``wanted[name]`` is a box in
-    full-tensor coordinates (any box: a shard along the saved dim, along another dim, or
-    the whole tensor). The pieces tile the box exactly once. A wanted name the
-    checkpoint lacks is a ``CheckpointMismatchError`` naming it.
+    full-tensor coordinates (any box: a shard along the saved dim, along another dim, a
+    piece of another mesh, or the whole tensor). Only the pieces that overlap it are
+    read, each from the file of the rank that stored it; they tile the box exactly once.
+    A wanted name the checkpoint lacks is a ``CheckpointMismatchError`` naming it.
     """
     plan: dict[str, tuple[ReadItem, ...]] = {}
     for name, want in wanted.items():
@@ -200,16 +239,9 @@ def plan_reads(saved: Mapping[str, TensorShardSpec], writers: Mapping[str, int],
         if box_size(want) == 0:
             plan[name] = ()
             continue
-        if spec.shard_dim is None:
-            if name not in writers:
-                raise CheckpointCorruptError(
-                    f"no writer recorded for replicated tensor {name!r}")
-            plan[name] = (ReadItem(name, writers[name], spec.full_shape, want,
-                                   _shift(want, want)),)
-            continue
         pieces = []
-        for src in range(len(spec.shard_sizes)):
-            stored = spec.box(src)
+        for piece, src in enumerate(writers_of(name, spec, writers)):
+            stored = spec.piece_box(piece)
             overlap = intersect(want, stored)
             if overlap is None:
                 continue

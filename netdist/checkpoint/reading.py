@@ -108,6 +108,7 @@ class CheckpointReader:
 
     Every read goes through :class:`ShardFile`, so with ``verify=True`` each block read is
     checked against the metadata's CRC. Close it (or use ``with``) to release the files.
+    ``bytes_read`` counts the bytes read from every file so far (closed ones included).
     """
 
     def __init__(self, directory: Path, metadata: ShardMetadata, *, verify: bool = True) -> None:
@@ -115,6 +116,11 @@ class CheckpointReader:
         self.metadata = metadata
         self.verify = verify
         self._files: dict[int, ShardFile] = {}
+        self._closed_bytes = 0
+
+    @property
+    def bytes_read(self) -> int:
+        return self._closed_bytes + sum(f.bytes_read for f in self._files.values())
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -125,6 +131,7 @@ class CheckpointReader:
     def close(self) -> None:
         files, self._files = self._files, {}
         for shard_file in files.values():
+            self._closed_bytes += shard_file.bytes_read
             shard_file.close()
 
     def file(self, rank: int) -> ShardFile:

@@ -24,11 +24,22 @@ With ``like``:
   the stored tensor's destination (a model whose slice is a view of its weight: the
   weight is read in place and the slice, sharing its memory, with it).
 
+A ``ShardedArray`` on a mesh in ``like`` (a torch ``DTensor`` too: its local tensor) is
+filled with the piece its placements give its rank on the *new* mesh
+(PURE :mod:`netdist.checkpoint.regions` says which region each leaf receives). Any saved
+placement reads into any other: the pieces that overlap the wanted region are read,
+nothing else.
+
 Without ``like`` the saved tree is rebuilt with fresh arrays; leaves that were torch
 tensors come back as torch tensors (when torch is importable), views as views of their
 stored tensor's fresh array (sharing its memory, as they did), and bfloat16 without
 ``ml_dtypes`` comes back as ``torch.bfloat16`` or, without torch either, as a clear
-``CheckpointMismatchError`` raised before any byte is read.
+``CheckpointMismatchError`` raised before any byte is read. A mesh-placed tensor comes
+back, at the world size that saved it, as this rank's saved piece in a ``ShardedArray``
+on the saved mesh (its placements, a ``MeshPosition`` with this rank's coordinate; a
+``DTensor`` cannot be rebuilt without torch's device mesh); at another world size as a
+``ShardedArray`` split evenly along the first dim its placements shard (replicated when
+they shard none).
 """
 
 from __future__ import annotations
@@ -61,10 +72,14 @@ from netdist.checkpoint.state import (
     subtree_objects,
     unflatten_state,
 )
-from netdist.checkpoint.summary import ShardExtent
+from netdist.checkpoint.regions import Extent, full_box, like_region
 from netdist.checkpoint.views import VIEW_NODE, TensorView, numpy_view, same_memory
 from netdist.errors import CheckpointCorruptError, CheckpointMismatchError
-from netdist.sharding import chunk_bounds
+from netdist.sharding import MeshPosition, mesh_coordinate
+
+Place = Callable[[str, str, Any], tuple[Box, np.ndarray]]
+"""``place(name, path, leaf)``: the box of saved tensor ``name`` that ``like``'s leaf at
+``path`` receives, and the array it is read into."""
 
 __all__ = [
     "RANK_OBJECT_POLICIES",
@@ -112,10 +127,6 @@ class RestorePlan:
             if not same_memory(source, dest):  # a view of the destination already
                 np.copyto(dest, source)
         return self.finish()
-
-
-def full_box(shape: tuple[int, ...]) -> Box:
-    return tuple((0, n) for n in shape)
 
 
 def _dtype_text(dtype: np.dtype[Any]) -> str:
@@ -328,14 +339,16 @@ def _torch_names(metadata: ShardMetadata) -> set[str]:
 
 def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int, *,
                  strict: bool, rank_objects: RankObjects | str,
-                 extents: Sequence[Mapping[str, ShardExtent]] | None = None) -> RestorePlan:
+                 extents: Sequence[Mapping[str, Extent]] | None = None) -> RestorePlan:
     """Plan ``rank``'s share of a load at ``world_size`` (module docstring).
 
-    ``extents`` (collective loads) holds every rank's :class:`ShardExtent` by name for
-    the ``ShardedArray`` leaves of its ``like``, which places each rank's shard; without
-    it (per-rank loads) a ``ShardedArray`` must cover exactly this rank's part of the even
-    re-split (``chunk_sizes``). Raises ``CheckpointMismatchError`` for anything ``like``
-    cannot receive, before any byte is read.
+    ``extents`` (collective loads) holds every rank's :class:`ShardExtent` or
+    :class:`MeshExtent` by path for the ``ShardedArray`` leaves of its ``like`` (stateful
+    objects' included), which places each rank's shard; without it (per-rank loads) a
+    ``ShardedArray`` must cover exactly this rank's part of the even re-split
+    (``chunk_sizes``; on a mesh, netdist's or torch's even split). Raises
+    ``CheckpointMismatchError`` for anything ``like`` cannot receive, before any byte
+    is read.
     """
     policy = check_rank_objects(rank_objects)
     specs = metadata.tensor_specs
@@ -362,6 +375,9 @@ def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int,
     saved = _saved_paths(metadata)
     stateful_paths = [slot.path for slot in flat.statefuls]
 
+    def place(name: str, path: str, value: Any) -> tuple[Box, np.ndarray]:
+        return like_region(name, path, specs[name], value, rank, world_size, extents)
+
     # 1. tensor leaves of `like` outside stateful objects: filled in place
     like_paths = [*flat.tensors, *flat.aliases]
     missing = sorted(p for p in like_paths if p not in saved)
@@ -383,8 +399,7 @@ def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int,
             views.append((path, view, value))
             continue
         name = saved[path]["k"]
-        box, dest = _like_destination(name, path, specs[name], value, rank, world_size,
-                                      extents)
+        box, dest = place(name, path, value)
         targets.claim(name, box, dest, value)
     for path, view, value in views:
         targets.view_into(path, view, value)
@@ -413,58 +428,26 @@ def plan_restore(metadata: ShardMetadata, like: Any, rank: int, world_size: int,
         if sub is None:
             raise CheckpointMismatchError(f"the checkpoint holds no state for {slot.path!r} "
                                           f"({type(slot.obj).__name__})")
-        appliers.append(_plan_stateful(slot.path, slot.obj, sub, targets, pick, strict))
+        appliers.append(_plan_stateful(slot.path, slot.obj, sub, targets, pick, place,
+                                       strict))
 
     def finish() -> Any:
         for apply in appliers:
             apply()
-        return unflatten_state(flat.skeleton, flat.tensors, loaded_objects,
+        return unflatten_state(flat.skeleton, flat.leaves(), loaded_objects,
                                {slot.path: slot.obj for slot in flat.statefuls})
 
     return RestorePlan(targets.wanted, targets.dests, targets.copies, finish,
                        targets.view_copies)
 
 
-def _like_destination(name: str, path: str, spec: TensorShardSpec, value: Any, rank: int,
-                      world_size: int, extents: Sequence[Mapping[str, ShardExtent]] | None
-                      ) -> tuple[Box, np.ndarray]:
-    """The box a ``like`` leaf receives and the array it is read into."""
-    if not isinstance(value, ShardedArray):
-        dest = leaf_array(value, name)
-        if not dest.flags.writeable:
-            raise CheckpointMismatchError(f"{name!r}: `like` must hold writeable arrays")
-        return full_box(spec.full_shape), dest
-    dest, dim = leaf_array(value.data, name), value.shard_dim
-    if dim >= len(spec.full_shape):
-        raise CheckpointMismatchError(f"{name!r}: `like` shards dim {dim} of a "
-                                      f"{len(spec.full_shape)}-d tensor")
-    if extents is not None:  # collective: every rank's extent is known
-        per_rank = [e[path] for e in extents]
-        offset = sum(e.extent for e in per_rank[:rank])
-        total = sum(e.extent for e in per_rank)
-        tiles = all(e.shard_dim == dim for e in per_rank) and total == spec.full_shape[dim]
-        what = f"(dim {dim}, {total} in all)"
-    else:  # per rank: this rank's part of the even re-split
-        offset, stop = chunk_bounds(spec.full_shape[dim], world_size)[rank]
-        tiles = stop - offset == dest.shape[dim]
-        what = (f"(rank {rank} holds {dest.shape[dim]} along dim {dim}; the even split "
-                f"over {world_size} ranks gives it {stop - offset})")
-    if not tiles:
-        raise CheckpointMismatchError(
-            f"{name!r}: the shards in `like` {what} do not tile the checkpoint's full "
-            f"shape {spec.full_shape}")
-    corners = list(full_box(spec.full_shape))
-    corners[dim] = (offset, offset + dest.shape[dim])
-    if not dest.flags.writeable:
-        raise CheckpointMismatchError(f"{name!r}: `like` must hold writeable arrays")
-    return tuple(corners), dest
-
-
 def _plan_stateful(path: str, obj: Any, sub: Any, targets: _Targets,
-                   pick: Callable[[str, Mapping[str, Any] | None], Any],
+                   pick: Callable[[str, Mapping[str, Any] | None], Any], place: Place,
                    strict: bool) -> Callable[[], None]:
     """Claim destinations for the saved sub-tree ``sub`` of a stateful at ``path``;
-    return the step that hands the rebuilt sub-tree to its ``load_state_dict``."""
+    return the step that hands the rebuilt sub-tree to its ``load_state_dict``. Shards
+    it holds (a module's ``DTensor`` parameters) are filled in place where ``place``
+    puts them, and handed back as the ``DTensor``s they are."""
     current_state = obj.state_dict()
     current = flatten_state(current_state, prefix=path, merge_views=False)
     saved_here = dict(skeleton_tensors(sub, path))
@@ -493,7 +476,10 @@ def _plan_stateful(path: str, obj: Any, sub: Any, targets: _Targets,
         if name in targets.leaves:
             continue
         box = full_box(targets.specs[name].full_shape)
-        if value is not None and not isinstance(value, ShardedArray):
+        if isinstance(value, ShardedArray):
+            box, dest = place(name, tensor_path, value)
+            targets.claim(name, box, dest, current.dtensors.get(tensor_path, value.data))
+        elif value is not None:
             targets.claim(name, box, leaf_array(value, name), value)
         else:
             targets.fresh(name, box, as_torch)
@@ -525,10 +511,15 @@ def _plan_fresh(metadata: ShardMetadata, targets: _Targets, rank: int, world_siz
     torch_names = _torch_names(metadata)
     leaves: dict[str, Any] = {}
     for name, spec in metadata.rebalanced(world_size).items():
-        box = spec.box(rank) if spec.shard_dim is not None else full_box(spec.full_shape)
-        leaf = targets.fresh(name, box, name in torch_names)
-        leaves[name] = ShardedArray(leaf, spec.shard_dim) if spec.shard_dim is not None \
-            else leaf
+        leaf = targets.fresh(name, spec.box(rank), name in torch_names)
+        if spec.mesh is not None and metadata.mesh is not None:
+            shape = tuple(metadata.mesh["shape"])
+            position = MeshPosition(shape, tuple(metadata.mesh["names"]),
+                                    mesh_coordinate(shape, rank))
+            leaf = ShardedArray(leaf, placements=spec.mesh.placements, mesh=position)
+        elif spec.shard_dim is not None:
+            leaf = ShardedArray(leaf, spec.shard_dim)
+        leaves[name] = leaf
     if layout is None:
         return RestorePlan(targets.wanted, targets.dests, targets.copies,
                            lambda: dict(leaves))

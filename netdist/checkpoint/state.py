@@ -1,8 +1,10 @@
 """PURE mapping between nested training state and flat tensors + plain values.
 
 A training state is a tree of dicts, lists and tuples whose leaves are tensors -
-NumPy arrays and torch tensors (replicated: every rank holds the same values) or
-:class:`ShardedArray` (this rank's shard of a larger tensor) - or plain values (ints,
+NumPy arrays and torch tensors (replicated: every rank holds the same values),
+:class:`ShardedArray` (this rank's shard of a larger tensor, along one dim or placed on a
+device mesh) or torch ``DTensor`` (taken as the ``ShardedArray`` of its local tensor and
+placements, :mod:`netdist.checkpoint.dtensor`) - or plain values (ints,
 floats, strings, None, NumPy scalars, RNGs, ...). A *stateful* object (anything with
 ``state_dict()`` and ``load_state_dict()``: a torch module or optimizer, an LR scheduler,
 :class:`netdist.checkpoint.RNGState`) stands for its ``state_dict()``.
@@ -37,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from netdist.checkpoint.metadata import StateLayout, decode_json_value, encode_json_value
+from netdist.sharding import MeshPlacement, MeshPosition, MeshSharding
 from netdist.checkpoint.views import VIEW_NODE, TensorView
 from netdist.errors import CheckpointCorruptError, CheckpointMismatchError
 
@@ -50,6 +53,8 @@ __all__ = [
     "skeleton_subtree",
     "subtree_objects",
     "is_torch_tensor",
+    "is_dtensor",
+    "mesh_position",
     "leaf_array",
     "is_stateful",
     "state_summary",
@@ -65,6 +70,25 @@ def is_torch_tensor(value: Any) -> bool:
     torch = sys.modules.get("torch")
     tensor_type = getattr(torch, "Tensor", None)
     return isinstance(tensor_type, type) and isinstance(value, tensor_type)
+
+
+def is_dtensor(value: Any) -> bool:
+    """True for a torch ``DTensor``, without importing torch."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor_type = getattr(module, "DTensor", None)
+    return isinstance(dtensor_type, type) and isinstance(value, dtensor_type)
+
+
+def mesh_position(mesh: Any) -> MeshPosition:
+    """``mesh`` as a :class:`MeshPosition`: one already, or an object (a netdist
+    ``DeviceMesh``) whose ``position`` is one; ``TypeError`` otherwise."""
+    if isinstance(mesh, MeshPosition):
+        return mesh
+    position = getattr(mesh, "position", None)
+    if isinstance(position, MeshPosition):
+        return position
+    raise TypeError(f"mesh must be a MeshPosition or have a .position that is one (a "
+                    f"DeviceMesh), got {type(mesh).__name__}")
 
 
 def leaf_array(value: Any, name: str) -> np.ndarray:
@@ -87,25 +111,54 @@ def leaf_array(value: Any, name: str) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True)
 class ShardedArray:
-    """This rank's shard of a tensor split along ``shard_dim`` over the group's ranks.
+    """This rank's piece of a larger tensor: split along ``shard_dim`` over the group's
+    ranks, or placed on a device mesh.
 
-    ``data`` is a NumPy array or a CPU torch tensor. Shards are contiguous and in rank
-    order; sizes may be uneven (the full shape is the sum of every rank's extent along
-    ``shard_dim``). On load, a ``ShardedArray`` in ``like`` is filled in place with the
-    region it covers in the new layout.
+    ``data`` is a NumPy array or a CPU torch tensor. Along one dim (``ShardedArray(data,
+    shard_dim)``), shards are contiguous and in rank order; sizes may be uneven (the full
+    shape is the sum of every rank's extent along ``shard_dim``). On a mesh
+    (``ShardedArray(data, placements=(Replicate(), Shard(0)), mesh=position)``: one
+    ``Shard(dim)`` / ``Replicate()`` per mesh dim, ``mesh`` a
+    :class:`~netdist.sharding.MeshPosition` or a ``DeviceMesh`` whose ``position`` is
+    one, stored as the position; ``shard_dim`` is then None), ``data`` is the piece this
+    rank's mesh coordinate holds (:class:`~netdist.sharding.MeshSharding`); the mesh rank
+    must be the rank in the group that saves or loads. On load, a ``ShardedArray`` in
+    ``like`` is filled in place with the region it covers in the new layout.
     """
 
     data: Any
-    shard_dim: int = 0
+    shard_dim: int | None = 0
+    placements: tuple[MeshPlacement, ...] | None = None
+    mesh: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, np.ndarray) and not is_torch_tensor(self.data):
             raise TypeError(f"ShardedArray.data must be an ndarray or a torch tensor, got "
                             f"{type(self.data).__name__}")
         ndim = self.data.ndim
-        if not 0 <= self.shard_dim < max(ndim, 1) or ndim == 0:
-            raise ValueError(f"shard_dim {self.shard_dim} is out of range for a "
-                             f"{ndim}-d array")
+        if self.placements is None and self.mesh is None:
+            if (not isinstance(self.shard_dim, (int, np.integer))
+                    or not 0 <= self.shard_dim < max(ndim, 1) or ndim == 0):
+                raise ValueError(f"shard_dim {self.shard_dim} is out of range for a "
+                                 f"{ndim}-d array")
+            return
+        if self.placements is None or self.mesh is None:
+            raise ValueError("a ShardedArray on a mesh needs both placements= and mesh=")
+        if self.shard_dim not in (0, None):
+            raise ValueError(f"a ShardedArray on a mesh takes its dims from its placements, "
+                             f"not shard_dim={self.shard_dim}")
+        position = mesh_position(self.mesh)
+        placements = tuple(self.placements)
+        # checks the placements (one per mesh dim, Shard or Replicate, dims of data)
+        MeshSharding.even(tuple(self.data.shape), position.shape, placements)
+        object.__setattr__(self, "shard_dim", None)
+        object.__setattr__(self, "placements", placements)
+        object.__setattr__(self, "mesh", position)
+
+    @property
+    def on_mesh(self) -> bool:
+        """True for a piece placed on a mesh (``placements`` and ``mesh`` given)."""
+        return self.placements is not None
 
 
 def is_stateful(value: Any) -> bool:
@@ -136,7 +189,9 @@ class FlatState:
     ``aliases`` maps the path of every later name of a tied tensor to the name holding
     it; ``views`` maps the path of every tensor stored as a window into another stored
     tensor (partial overlap, ``merge_views``) to that window; ``statefuls`` lists the
-    stateful objects left unexpanded (``keep_statefuls``).
+    stateful objects left unexpanded (``keep_statefuls``); ``dtensors`` maps the path of
+    every torch ``DTensor`` (a :class:`ShardedArray` of its local tensor in ``tensors``)
+    to the ``DTensor`` itself, which is what a rebuilt ``like`` holds there.
     """
 
     tensors: dict[str, Any]
@@ -145,6 +200,12 @@ class FlatState:
     aliases: dict[str, str] = field(default_factory=dict)
     statefuls: list[StatefulSlot] = field(default_factory=list)
     views: dict[str, TensorView] = field(default_factory=dict)
+    dtensors: dict[str, Any] = field(default_factory=dict)
+
+    def leaves(self) -> dict[str, Any]:
+        """``tensors`` with each ``DTensor`` in place of its ``ShardedArray``: the leaves
+        as the state held them."""
+        return {**self.tensors, **self.dtensors} if self.dtensors else self.tensors
 
 
 def _is_leaf_tensor(value: Any) -> bool:
@@ -194,6 +255,7 @@ def flatten_state(state: Any, *, keep_statefuls: bool = False, prefix: str = "",
     tensors: dict[str, Any] = {}
     objects: dict[str, Any] = {}
     aliases: dict[str, str] = {}
+    dtensors: dict[str, Any] = {}
     statefuls: list[StatefulSlot] = []
     seen: set[str] = set()
     owners: dict[tuple[Any, ...], str] = {}
@@ -223,7 +285,7 @@ def flatten_state(state: Any, *, keep_statefuls: bool = False, prefix: str = "",
                     return node
                 if key is not None:
                     owners[key] = path
-        if isinstance(value, ShardedArray):
+        if isinstance(value, ShardedArray) and value.shard_dim is not None:
             node["dim"] = value.shard_dim
         tensors[path] = value
         return node
@@ -233,6 +295,11 @@ def flatten_state(state: Any, *, keep_statefuls: bool = False, prefix: str = "",
             claim(path)
             statefuls.append(value)
             return {"t": "stateful", "k": path}
+        if is_dtensor(value):
+            from netdist.checkpoint.dtensor import dtensor_piece
+
+            dtensors[path] = value
+            return tensor_node(dtensor_piece(value, path), path)
         if _is_leaf_tensor(value):
             return tensor_node(value, path)
         if not _holds_tensor(value):
@@ -254,7 +321,7 @@ def flatten_state(state: Any, *, keep_statefuls: bool = False, prefix: str = "",
     views: dict[str, TensorView] = {}
     if merge_views and any(is_torch_tensor(v) for v in tensors.values()):
         tensors = _merge_views(tensors, nodes, aliases, views, seen)
-    return FlatState(tensors, objects, skeleton, aliases, statefuls, views)
+    return FlatState(tensors, objects, skeleton, aliases, statefuls, views, dtensors)
 
 
 def _merge_views(tensors: dict[str, Any], nodes: Mapping[str, dict[str, Any]],

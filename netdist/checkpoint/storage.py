@@ -523,7 +523,9 @@ class ShardFile:
     ``verify=True`` a size mismatch is reported at open and every block a read touches
     is checked once. The file is opened by :func:`open_checkpoint_file` with its parent
     as the checkpoint directory (a regular file, not reached through a symlink leading
-    elsewhere). Thread-safe: reads use ``os.preadv`` on one descriptor.
+    elsewhere). Thread-safe: reads use ``os.preadv`` on one descriptor. ``bytes_read``
+    counts every byte read from the file (header, data, whole edge blocks for
+    verification), which is how tests hold a resharding load to the pieces it needs.
     """
 
     def __init__(self, path: str | os.PathLike[str], record: FileRecord | None = None, *,
@@ -535,6 +537,7 @@ class ShardFile:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._verified: set[int] = set()
+        self.bytes_read = 0
         self.size = os.fstat(self._fd).st_size
         try:
             if record is not None and self.size != record.size:
@@ -616,6 +619,8 @@ class ShardFile:
                 raise CheckpointCorruptError(f"{self.path}: unexpected end of file at "
                                              f"{offset + got} (truncated)")
             got += n
+            with self._lock:
+                self.bytes_read += n
 
     def _check_block(self, index: int, data: memoryview) -> None:
         record = self.record

@@ -44,7 +44,7 @@ from netdist.checkpoint.metadata import (
     TensorShardSpec,
     rank_file_name,
 )
-from netdist.checkpoint.planner import WritePlan, assign_writers, plan_writes
+from netdist.checkpoint.planner import Piece, WritePlan, assign_writers, plan_writes
 from netdist.checkpoint.storage import TensorSource, write_safetensors
 from netdist.errors import CheckpointError
 
@@ -142,10 +142,11 @@ class SaveTarget:
     """What one rank's save writes and where, as its coordinator settled it.
 
     ``specs`` (the same on every rank) and ``arrays`` (this rank's local arrays, by name)
-    are the tensors; ``pinned`` names the replicated tensors whose writer is fixed (a
-    collective save's diverged replicas, saved from rank 0): the dedup planner assigns
-    the others. The rank files go into ``directory`` (a staging directory, or the
-    checkpoint itself when it is written in place), which is ``final`` once committed;
+    are the tensors; ``pinned`` names the pieces (``(tensor, piece)``) whose writer is
+    fixed (a collective save's diverged replicas, saved from the lowest rank holding
+    each): the dedup planner assigns the others. The rank files go into ``directory``
+    (a staging directory, or the checkpoint itself when it is written in place), which
+    is ``final`` once committed;
     ``step``, ``extra``, ``mesh`` and ``generation`` go into the metadata.
     """
 
@@ -157,7 +158,7 @@ class SaveTarget:
     extra: Mapping[str, Any]
     mesh: Mapping[str, Any] | None = None
     generation: int = 0
-    pinned: Mapping[str, int] = field(default_factory=dict)
+    pinned: Mapping[Piece, int] = field(default_factory=dict)
 
 
 class SaveCoordinator(abc.ABC):
@@ -210,10 +211,7 @@ async def run_save(coordinator: SaveCoordinator, started: float) -> SaveResult:
     ``SaveResult.seconds`` counts from."""
     rank, world_size = coordinator.rank, coordinator.world_size
     target = await coordinator.settle()
-    writers: dict[str, int] | None = None
-    if target.pinned:
-        writers = assign_writers(target.specs, world_size)
-        writers.update(target.pinned)
+    writers = assign_writers(target.specs, world_size, target.pinned)
     plan = plan_writes(target.specs, world_size, writers)  # the one plan of this save
     written: FileRecord | BaseException
     try:

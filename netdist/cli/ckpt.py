@@ -6,6 +6,7 @@
     netdist ckpt verify DIR                       check sizes, headers, every CRC block
     netdist ckpt consolidate DIR OUT.safetensors  one file with every full tensor
     netdist ckpt reshard DIR --world-size N OUT   rewrite for N ranks
+    netdist ckpt reshard DIR --mesh dp=1,tp=4 OUT rewrite for another mesh shape
 
 ``DIR`` is a checkpoint directory or a root holding ``step_*`` directories (``latest``
 or ``--step`` picks one). Long operations report progress on stderr: redrawn in place on
@@ -48,14 +49,38 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     common(p)
     p.add_argument("out", metavar="OUT.safetensors")
     p.add_argument("--no-verify", action="store_true", help="skip checksum verification")
-    p = commands.add_parser("reshard", help="rewrite the checkpoint for N ranks")
+    p = commands.add_parser("reshard", help="rewrite the checkpoint for N ranks or a mesh")
     common(p)
-    p.add_argument("--world-size", type=int, required=True, metavar="N")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--world-size", type=int, metavar="N",
+                      help="N ranks without a mesh (mesh-placed tensors split along the "
+                           "first dim they shard)")
+    size.add_argument("--mesh", type=_mesh_sizes, metavar="NAME=SIZE,...",
+                      help="the checkpoint's mesh dims with new sizes (dp=1,tp=4): "
+                           "placements kept")
     p.add_argument("out", metavar="OUT", help="new checkpoint directory")
     p.add_argument("--rank-objects", choices=[policy.value for policy in RESHARD_RANK_OBJECTS],
                    default="error",
                    help="how per-rank values map onto the new ranks (default: error)")
     p.add_argument("--no-verify", action="store_true", help="skip checksum verification")
+
+
+def _mesh_sizes(text: str) -> dict[str, int]:
+    """``dp=1,tp=4`` -> ``{"dp": 1, "tp": 4}`` (an argparse type: errors are usage errors)."""
+    sizes: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        try:
+            size = int(value)
+        except ValueError:
+            size = 0
+        if not sep or not name or size < 1 or name in sizes:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not NAME=SIZE,... with distinct names and sizes >= 1 "
+                f"(e.g. dp=1,tp=4)")
+        sizes[name] = size
+    return sizes
 
 
 def _size(n: int) -> str:
@@ -155,12 +180,17 @@ def _table(rows: list[list[str]]) -> str:
 
 def _inspect(args: argparse.Namespace) -> int:
     from netdist.checkpoint import inspect_checkpoint
+    from netdist.checkpoint.consolidate import mesh_of
+    from netdist.sharding import mesh_label
 
     directory, metadata, rows = inspect_checkpoint(args.dir, args.step)
     total_files = sum(f.size for f in metadata.files)
     print(f"checkpoint {directory}")
     print(f"  format version {metadata.version}, saved by {metadata.num_ranks} rank(s)"
           + (f", step {metadata.step}" if metadata.step is not None else ""))
+    mesh = mesh_of(metadata)
+    if mesh is not None:
+        print(f"  mesh {mesh_label(mesh['shape'], mesh['names'])} (ranks row-major)")
     print(f"  {len(rows)} tensors, {_size(sum(r.nbytes for r in rows))} of tensor data, "
           f"{len(metadata.files)} files, {_size(total_files)} on disk")
     table = [["tensor", "dtype", "shape", "layout", "bytes", "ranks"]]
@@ -209,15 +239,20 @@ def _consolidate(args: argparse.Namespace) -> int:
 def _reshard(args: argparse.Namespace) -> int:
     from netdist.checkpoint import reshard_checkpoint
     from netdist.errors import ConfigError
+    from netdist.sharding import mesh_label
 
-    if args.world_size < 1:
+    if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
     with _ProgressLine("reshard") as progress:
-        metadata = reshard_checkpoint(args.dir, args.out, args.world_size, step=args.step,
-                                      verify=not args.no_verify,
+        metadata = reshard_checkpoint(args.dir, args.out, args.world_size, mesh=args.mesh,
+                                      step=args.step, verify=not args.no_verify,
                                       rank_objects=args.rank_objects, progress=progress)
         progress.finish()
-    print(f"wrote {args.out}: {metadata.num_ranks} ranks, {len(metadata.tensor_specs)} tensors")
+    mesh = ""
+    if metadata.mesh is not None and args.mesh is not None:
+        mesh = f" (mesh {mesh_label(metadata.mesh['shape'], metadata.mesh['names'])})"
+    print(f"wrote {args.out}: {metadata.num_ranks} ranks{mesh}, "
+          f"{len(metadata.tensor_specs)} tensors")
     return 0
 
 

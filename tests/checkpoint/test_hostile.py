@@ -36,6 +36,7 @@ from netdist.checkpoint.storage import (
 )
 from netdist.collectives import Group
 from netdist.errors import CheckpointCorruptError, CheckpointError
+from netdist.sharding import Replicate, Shard
 from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(60)  # a regression that blocks fails instead of hanging
@@ -384,3 +385,82 @@ def test_a_save_over_a_fifo_metadata_does_not_block(tmp_path: Path, step: int | 
     assert result.committed
     loaded = load_distributed(root, 0, 1, step=step)
     assert all(loaded[k].tobytes() == v.tobytes() for k, v in FULL.items())
+
+
+# --------------------------------------------------------------------------- mesh placements
+
+MESH_FULL: dict[str, np.ndarray] = {
+    "m": np.arange(4 * 6, dtype=np.float32).reshape(4, 6),   # (Replicate(), Shard(1))
+    "x": np.arange(5 * 3, dtype=np.int64).reshape(5, 3),     # (Shard(0), Shard(1))
+}
+
+
+@pytest.fixture
+def mesh_ck(tmp_path: Path) -> Path:
+    """A 4-rank checkpoint on a dp=2 x tp=2 mesh, saved rank by rank."""
+    specs = {"m": TensorShardSpec.on_mesh((4, 6), (2, 2), (Replicate(), Shard(1)), dtype="float32"),
+             "x": TensorShardSpec.on_mesh((5, 3), (2, 2), (Shard(0), Shard(1)), dtype="int64")}
+    meta = ShardMetadata(4, specs, mesh={"shape": [2, 2], "names": ["dp", "tp"]})
+    directory = tmp_path / "mesh"
+    for rank in range(4):
+        save_distributed(shard_state_dict(MESH_FULL, meta, rank), directory, rank, 4, meta)
+    return directory
+
+
+def test_a_mesh_checkpoint_loads_at_any_world_size(mesh_ck: Path) -> None:
+    assert read_metadata(mesh_ck).writers["m"] in ((0, 1), (0, 3), (2, 1), (2, 3))
+    for world in (1, 3, 4):
+        parts = [load_distributed(mesh_ck, rank, world) for rank in range(world)]
+        for name, full in MESH_FULL.items():
+            if world == 1:
+                assert parts[0][name].tobytes() == full.tobytes()
+
+
+def _set_entry(name: str, **fields: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda doc: doc["tensors"][name].update(fields)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (_set_entry("m", extents=[[4], [3, 2]]), "extents [3, 2] along dim 1 sum to 5, but dim 1"),
+    (_set_entry("m", extents=[[4], [-1, 7]]), "must hold ints >= 0"),
+    (_set_entry("m", extents=[[4], [6]]), "cut dim 1 into 2 pieces, but 1 extents are given"),
+    (_set_entry("m", extents=[[4], [3, 3], [1]]), "mesh extents describe 3 dimensions"),
+    (_set_entry("m", placements=["R", "S(1)", "R"]), "3 placements for a mesh of shape (2, 2)"),
+    (_set_entry("m", placements=["R", "S(2)"]), "placement Shard(2) of mesh dim 1 names dim 2 "
+                                                "of a 2-d tensor"),
+    (_set_entry("m", placements=["R", "Shard(1)"]), "is neither \"R\" nor \"S(<dim>)\""),
+    (_set_entry("m", writers=[1, 0]), "writer 1 of piece 0 of tensor 'm' does not hold that "
+                                      "piece (ranks 0, 2 do)"),
+    (_set_entry("m", writers=[0]), "tensor 'm' has 2 pieces, but its writers are (0,)"),
+    (_set_entry("m", writers=["0", 1]), "a writer must be an integer"),
+    (_set_entry("x", writers=[0, 1, 2, 2]), "writer 2 of piece 3 of tensor 'x'"),
+    (lambda d: d["tensors"]["m"].pop("writers"), "mesh-placed tensor 'm' has no writer"),
+    (lambda d: d["mesh"].update(shape=[2, 3]), "tensor 'm' is placed on a mesh, but the mesh "
+                                               "of shape [2, 3] has 6 ranks, the checkpoint "
+                                               "was saved by 4"),
+    (lambda d: d["mesh"].update(names=["dp", "dp"]), "tensor 'm' is placed on a mesh, but mesh "
+                                                     "names ['dp', 'dp'] are not 2 distinct"),
+    (lambda d: d.update(mesh=None), "tensor 'm' is placed on a mesh, but the mesh must be"),
+    (lambda d: d.update(mesh={"shape": [4], "names": ["dp"]}),
+     "tensor 'm': 2 placements for a mesh of shape (4,)"),
+])
+def test_hostile_mesh_placements_are_corrupt_naming_the_tensor(mesh_ck: Path, edit: Any,
+                                                               needle: str) -> None:
+    _edit_metadata(mesh_ck, edit)
+    with pytest.raises(CheckpointCorruptError) as info:
+        read_metadata(mesh_ck)
+    assert str(info.value).startswith(f"{mesh_ck / METADATA_FILE}: "), info.value
+    assert needle in str(info.value)
+    with pytest.raises(CheckpointCorruptError, match="metadata.json"):
+        load_distributed(mesh_ck, 0, 4)
+    with pytest.raises(CheckpointCorruptError, match="metadata.json"):
+        consolidate(mesh_ck, mesh_ck.parent / "all.safetensors")
+
+
+async def test_collective_load_of_a_hostile_mesh_checkpoint_fails_on_every_rank(
+        mesh_ck: Path) -> None:
+    _edit_metadata(mesh_ck, _set_entry("x", extents=[[3, 3], [2, 1]]))
+    errors = await run_ranks(4, lambda g: load(mesh_ck, g, timeout=OP_TIMEOUT),
+                             op_timeout=OP_TIMEOUT, guard=30, return_exceptions=True)
+    assert all(isinstance(e, CheckpointCorruptError) for e in errors), errors
+    assert all("tensor 'x'" in str(e) and "sum to 6, but dim 0" in str(e) for e in errors)

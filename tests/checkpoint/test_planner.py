@@ -145,3 +145,24 @@ def test_run_layout_matches_numpy_addresses() -> None:
             assert list(row) == list(range(row[0], row[0] + run))
         grid = box_shape(box)[:k]
         assert len(runs) == (int(np.prod(grid)) if grid else 1)
+
+
+def test_mesh_pieces_go_to_one_holder_each_balanced_over_the_holders() -> None:
+    from netdist.sharding import Replicate, Shard
+
+    # dp=2 x tp=2: w's two row pieces are each held by two ranks; e's four pieces by one
+    w = TensorShardSpec.on_mesh((8, 4), (2, 2), (Replicate(), Shard(0)), dtype="float32")
+    e = TensorShardSpec.on_mesh((4, 2), (2, 2), (Shard(0), Shard(1)), dtype="float32")
+    specs = {"w": w, "e": e, "b": _rep(3)}
+    writers = assign_writers(specs, 4)
+    assert writers == {"w": (0, 1), "e": (0, 1, 2, 3), "b": 2}
+    plan = plan_writes(specs, 4)
+    assert plan.bytes_per_rank == (72, 72, 20, 8)
+    assert sum(plan.bytes_per_rank) == 32 * 4 + 8 * 4 + 12  # every byte once
+    assert [(i.name, i.shape, i.replicated) for i in plan.for_rank(1)] == \
+        [("w", (4, 4), True), ("e", (2, 1), False)]
+    # a read of rows 2..6 of w touches both pieces, from their writers
+    reads = plan_reads(specs, writers, {"w": ((2, 6), (0, 4))})["w"]
+    assert [(r.src_rank, r.src_box, r.dst_box) for r in reads] == [
+        (0, ((2, 4), (0, 4)), ((0, 2), (0, 4))), (1, ((0, 2), (0, 4)), ((2, 4), (0, 4)))]
+    assert assign_writers(specs, 4, pinned={("w", 1): 3})["w"] == (0, 3)
