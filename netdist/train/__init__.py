@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "shard_indices": "netdist.train.data",
     "iterate_batches": "netdist.train.data",
     "distributed_train_step": "netdist.train.step",
+    "placed_state_dict": "netdist.train.mesh_state",
 }
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "shard_indices",
     "iterate_batches",
     "distributed_train_step",
+    "placed_state_dict",
 ]
 
 if TYPE_CHECKING:
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     from netdist.train.nn import (Embedding, Linear, Module, Parameter, ReLU, Sequential,
                                   Tanh, mlp)
     from netdist.train.optimizers import SGD, Adam, Optimizer
+    from netdist.train.mesh_state import placed_state_dict
     from netdist.train.step import GradReady, distributed_train_step
 else:
     from netdist._lazy import attach as _attach
