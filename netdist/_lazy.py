@@ -51,6 +51,12 @@ class _LazyPackage(types.ModuleType):
             value = getattr(value, name)  # the submodule's export, not the submodule
         super().__setattr__(name, value)
 
+    def __reduce__(self) -> tuple[Callable[[str], types.ModuleType], tuple[str]]:
+        """Pickle as the import of this package by name, as cloudpickle pickles a plain
+        module: a function shipped by value (Ray Train's train function, a Dask task)
+        that uses ``netdist`` then travels, and imports netdist where it lands."""
+        return importlib.import_module, (self.__name__,)
+
 
 def attach(package: str, exports: Mapping[str, str], *, submodules: Sequence[str] = (),
            ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:

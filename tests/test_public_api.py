@@ -44,3 +44,17 @@ def test_import_is_lazy() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_a_lazy_package_pickles_as_its_import() -> None:
+    """A function shipped by value (cloudpickle: Ray Train's train function, a Dask task)
+    carries the modules it uses; a lazy netdist package pickles as its import by name,
+    as a plain module does, instead of failing on its module type."""
+    import pickle
+
+    import netdist.checkpoint
+
+    for package in (netdist, netdist.checkpoint):
+        blob = pickle.dumps(package)
+        assert package.__name__.encode() in blob and len(blob) < 200  # a name, no contents
+        assert pickle.loads(blob) is package

@@ -62,6 +62,7 @@ PURE = [
     "netdist.checkpoint.regions",
     "netdist.checkpoint.group_like",
     "netdist.netlab.layout",
+    "netdist.ray.places",
 ]
 """The PURE modules of DESIGN.md ("Layers"), and those the ps and parallel packages declare
 PURE in their docstrings; ``pkg.*`` is a package and all its modules."""

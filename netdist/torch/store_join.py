@@ -124,6 +124,9 @@ def join_from_store(store: Any, rank: int, world_size: int, timeout: timedelta,
             published.append(record)
 
         job = Job.connect(config, on_coordinator_ready=publish)
+        if not published:  # a world of one rank binds no coordinator: nobody to tell
+            return job, CoordinatorRecord(config.coordinator, attempt, generation, nonce,
+                                          drawn)
         return job, published[0]
     record = read_record(store, attempt, generation, rank, seconds)
     token = env_token or record.token

@@ -242,3 +242,17 @@ def wait_until(condition: Any, timeout: float = BOUND) -> None:
             pytest.fail(f"condition not met within {timeout}s")
         time.sleep(pause)  # polling the store for the event, not waiting for time
         pause = min(pause * 2, 0.05)
+
+
+def test_a_world_of_one_rank_joins_without_publishing(
+        server: dist.TCPStore, torchrun_env: pytest.MonkeyPatch) -> None:
+    """One rank binds no coordinator (``init_process_group("netdist")`` with world size 1,
+    as a one-worker Ray Train run makes it): the join still returns its job and a record
+    of its attempt, and writes nothing for others to read."""
+    job, record = join(server, 0, world=1)
+    try:
+        assert (job.rank, job.world_size) == (0, 1)
+        assert record.stale_for(Attempt.from_env(GROUP, 1), record.generation) is None
+        assert not client(server).check([Attempt.from_env(GROUP, 1).coordinator_key(0)])
+    finally:
+        job.close()
