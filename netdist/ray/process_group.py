@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from netdist.errors import ConfigError
 from netdist.progress.job import Job
-from netdist.torch import _default_netdist_group
+from netdist.torch import default_netdist_group
 
 __all__ = ["init_torch_group", "destroy_torch_group", "get_job"]
 
@@ -48,7 +48,7 @@ def get_job() -> Job:
     Raises ``ConfigError`` when this process has no default group on netdist (no group
     yet, or one on another backend), naming what it found.
     """
-    ops = _default_netdist_group()
+    ops = default_netdist_group()
     if ops is not None:
         return ops.job
     found = (f"its default process group runs on {dist.get_backend()!r}"

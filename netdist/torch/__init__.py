@@ -43,12 +43,16 @@ __all__ = [
     "NetdistNetworkError",
     "NetdistTimeout",
     "BACKEND_NAME",
+    "default_netdist_group",
 ]
 
 
-def _default_netdist_group() -> NetdistOps | None:
+def default_netdist_group() -> NetdistOps | None:
     """The netdist group or backend serving the CPU of the default group, if any (the
-    default group was made with ``"netdist"`` or ``"cpu:netdist,..."``)."""
+    default group was made with ``"netdist"`` or ``"cpu:netdist,..."``): its
+    ``netdist_group`` is the netdist ``Group`` behind torch's, and its ``job`` the
+    progress thread that runs it (for ``netdist.checkpoint`` or netdist's own API in a
+    torch program)."""
     if not dist.is_initialized():
         return None
     default = dist.distributed_c10d._get_default_group()
@@ -81,7 +85,7 @@ def create_process_group(options: Any, backend_options: Any = None,
         ProcessGroupNetdist if whole else NetdistBackend)
     timeout: timedelta = options.timeout
     ranks = list(options.global_ranks_in_group)
-    world = _default_netdist_group()
+    world = default_netdist_group()
     if ranks and world is not None:
         parent = world.netdist_group
         group = world.job.progress.call(
