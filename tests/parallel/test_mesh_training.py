@@ -33,7 +33,7 @@ from netdist.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLi
 from netdist.ps import ColocatedPS
 from netdist.sharding import Replicate, Shard, chunk_bounds
 from netdist.train import SGD, Linear, Sequential, Tanh, mse_loss
-from netdist.transport.local_tcp import local_tcp_group
+from tests.ranks import run_ranks as run_tcp_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -121,11 +121,10 @@ def assert_matches_reference(layers: list[Any], first_layer: int, ref: Sequentia
 
 
 async def run_ranks(n: int, body: Callable[[Group], Awaitable[Any]]) -> list[Any]:
-    loop = asyncio.get_running_loop()
-    loop.set_default_executor(ThreadPoolExecutor(max_workers=2 * n))
-    async with local_tcp_group(n, timeout=60.0) as transports:
-        groups = [Group(t) for t in transports]
-        return list(await asyncio.wait_for(asyncio.gather(*(body(g) for g in groups)), 180))
+    """``tests.ranks.run_ranks`` over TCP, with a worker thread for every rank's compute
+    (each may wait in its thread on a tensor-parallel collective)."""
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2 * n))
+    return await run_tcp_ranks(n, body, tcp=True, op_timeout=60.0, guard=180.0)
 
 
 def dp_slice(x: np.ndarray, dp_rank: int, dp_size: int) -> np.ndarray:

@@ -23,7 +23,7 @@ from netdist.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLi
 from netdist.sharding import Replicate, Shard, chunk_bounds
 from netdist.train import SGD, Sequential, Tanh, mlp, mse_loss
 from netdist.train.mesh_state import placed_state_dict
-from netdist.transport.local_tcp import local_tcp_group
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,9 +41,7 @@ def split(model: Sequential, tp: Group) -> Sequential:
 
 async def ranks(n: int, body: Any) -> list[Any]:
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=2 * n))
-    async with local_tcp_group(n, timeout=60.0) as transports:
-        groups = [Group(t) for t in transports]
-        return list(await asyncio.wait_for(asyncio.gather(*(body(g) for g in groups)), 180))
+    return await run_ranks(n, body, tcp=True, op_timeout=60.0, guard=180.0)
 
 
 def assemble(pieces: list[dict[str, np.ndarray]], tp_ranks: list[int]) -> dict[str, np.ndarray]:
