@@ -57,6 +57,10 @@ __all__ = [
     "ConnectError",
     "AuthenticationError",
     "PeerLostError",
+    "ElasticError",
+    "QuorumLostError",
+    "StateTransferError",
+    "DivergenceError",
     "TransportClosedError",
     "UndeliveredError",
     "SharedMemoryError",
@@ -258,3 +262,27 @@ class CheckpointVersionError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint does not match the target: dtype, shape or world size."""
+
+
+class ElasticError(NetdistError):
+    """An elastic job (``netdist.elastic``) could not go on: see the subclasses."""
+
+
+class QuorumLostError(ElasticError):
+    """This process is on the minority side of a failure: fewer than a strict majority of
+    the last membership could agree on a new one, so this side stops (the majority side,
+    if there is one, carries on). ``members`` are the ones this side could reach."""
+
+    def __init__(self, message: str, members: tuple[int, ...] = ()) -> None:
+        self.members = members
+        super().__init__(message)
+
+
+class StateTransferError(ElasticError):
+    """A joining member's state did not arrive intact: the bytes fetched from the donors
+    do not hash to the value the donors agreed on, or the layouts differ."""
+
+
+class DivergenceError(ElasticError):
+    """Members that committed the same step hold different states (different hashes):
+    the job stops rather than train on diverged replicas."""

@@ -67,8 +67,9 @@ __all__ = [
     "compute_proof",
 ]
 
-ROLES = ("rank", "coordinator")
-"""Who is speaking: a training process (``rank``) or the rendezvous ``coordinator``."""
+ROLES = ("rank", "coordinator", "elastic")
+"""Who is speaking: a training process (``rank``), the rendezvous ``coordinator``, or an
+elastic job's membership endpoint (``elastic``, ``netdist.elastic.endpoint``)."""
 
 HANDSHAKE_VERSION = 2
 """The ``version`` in HELLO and CHALLENGE, and byte 16 of every MAC transcript. Versioned
