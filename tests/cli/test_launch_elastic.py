@@ -248,6 +248,24 @@ def test_elastic_host_is_taken_from_the_environment(tmp_path: Path) -> None:
     assert env["NETDIST_ELASTIC_MIN"] == "1"
 
 
+def test_library_launch_elastic(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    body = (
+        "if RESTART == 0:\n"
+        "    sys.exit(7)\n"
+    )
+    cmd = [sys.executable, "-c", PRELUDE + body, str(tmp_path)]
+    status = launch(cmd, 1, elastic=True, spares=1, max_restarts=1, min_nodes=1)
+    captured = capfd.readouterr()
+    assert status == 0, captured.err
+    started = starts(tmp_path)
+    assert sorted(started) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted(launcher_lines(captured.err)) == [
+        f"slot {slot} (pid {started[slot, 0]['pid']}) exited with code 7; restarting it "
+        "(restart 1 of 1)" for slot in (0, 1)]
+    assert sorted(captured.out.splitlines()) == [
+        f"[slot {slot}] started restart {restart}" for slot in (0, 1) for restart in (0, 1)]
+
+
 # --------------------------------------------------------------------------- stopping
 
 
@@ -314,3 +332,14 @@ def test_cli_rejects_invalid_elastic_options(args: list[str], message: str) -> N
                             timeout=BOUND, cwd=REPO_ROOT)
     assert result.returncode == 2
     assert result.stderr.startswith(message), result.stderr
+
+
+def test_cli_refuses_an_elastic_host_it_cannot_bind() -> None:
+    env = dict(os.environ, NETDIST_ELASTIC_HOST="192.0.2.1")  # TEST-NET-1: not this host
+    result = subprocess.run(netdist_cmd("launch", "--elastic", "-n", "1", "--", "true"),
+                            capture_output=True, text=True, timeout=BOUND, cwd=REPO_ROOT,
+                            env=env)
+    assert result.returncode == 2
+    assert result.stderr.startswith(
+        "netdist launch: error: NETDIST_ELASTIC_HOST='192.0.2.1': cannot bind a port there"), \
+        result.stderr
