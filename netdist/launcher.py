@@ -45,6 +45,31 @@ Exit codes of ``launch()``:
 A second SIGINT or SIGTERM while children are being terminated skips the grace period
 and kills them at once. POSIX only (process groups).
 
+Elastic mode (``elastic=True``, ``netdist launch --elastic``): the job is a set of *slots*,
+``0..nprocs-1`` for the initial ranks and ``nprocs..nprocs+spares-1`` for spares, all
+started at once. A process that exits non-zero or is killed by a signal is restarted
+alone, in the same slot, while the others keep running: ``max_restarts`` counts per slot
+(``netdist launch: slot 3 (pid 1234) was killed by signal 9 (SIGKILL); restarting it
+(restart 1 of 2)``); what it left in its process group is SIGKILLed first. A slot that has
+used its restarts stays down, and the job fails (with that process's status) once fewer
+than ``min_nodes`` slots are running, restartable or finished. A process that exits 0 is
+never restarted; the job succeeds when every slot that is not down has exited 0. Signals
+and the timeout stop every slot as in a fixed job; there is no failure summary. Output is
+prefixed ``[slot N] ``. Every process gets, besides the variables above (the coordinator,
+``MASTER_PORT``, token and job id fixed for the whole run)::
+
+    NETDIST_ELASTIC=1
+    NETDIST_ELASTIC_SLOT               its slot
+    NETDIST_ELASTIC_PORT               its slot's port on NETDIST_ELASTIC_HOST, chosen free
+                                       once at start (the launcher holds no socket) and kept
+                                       across the slot's restarts
+    NETDIST_ELASTIC_HOST               from the environment, default 127.0.0.1
+    NETDIST_ELASTIC_SEEDS              host:port of every slot, in slot order, comma-separated
+    NETDIST_ELASTIC_MIN                min_nodes (default: a strict majority, nprocs // 2 + 1)
+    NETDIST_RESTART_COUNT              this slot's own restart count
+    NETDIST_WORLD_SIZE                 nprocs, the initial world size (spares not counted)
+    NETDIST_RANK, RANK, LOCAL_RANK     the slot, for initial slots; unset for spares
+
 Dying with the launcher: a SIGKILLed launcher cannot clean up, so on Linux each child is
 started through a tiny wrapper (``python -I -S -c``, about 10 ms) that sets
 ``PR_SET_PDEATHSIG`` to SIGKILL and then ``exec``s the command, keeping the pid, the
@@ -122,6 +147,13 @@ _MAX_PARTIAL_LINE = 64 * 1024
 
 _READ_SIZE = 64 * 1024
 _PREFIX = "netdist launch: "
+
+_ELASTIC_HOST = "NETDIST_ELASTIC_HOST"
+_ELASTIC_VARIABLES = frozenset({
+    "NETDIST_ELASTIC", "NETDIST_ELASTIC_SLOT", "NETDIST_ELASTIC_PORT", _ELASTIC_HOST,
+    "NETDIST_ELASTIC_SEEDS", "NETDIST_ELASTIC_MIN",
+})
+"""What ``launch(elastic=True)`` sets for the elastic runtime (module docstring)."""
 
 _TAIL_LINES = 200
 """Lines of each rank's stderr kept for the failure summary."""
@@ -427,7 +459,13 @@ class _Child:
 
 
 class _Attempt:
-    """Start every rank once, watch them, and tear the job down as a unit."""
+    """Start every rank once, watch them, and tear the job down as a unit.
+
+    ``_ElasticRun`` keeps this machinery (spawning, output, termination) and replaces the
+    policy: the hooks ``_child_env``, ``_names``, ``_current`` and ``_check``.
+    """
+
+    _noun = "rank"
 
     def __init__(self, *, cmd: list[str], nprocs: int, env: dict[str, str],
                  prefix_output: bool, deadline: float | None, timeout: float | None,
@@ -455,24 +493,37 @@ class _Attempt:
 
     # -- spawning -------------------------------------------------------------------
 
-    def _spawn(self, rank: int) -> _Child:
+    def _child_env(self, rank: int) -> dict[str, str]:
+        """The environment of ``rank``'s process."""
         env = dict(self.env)
         env.update({
             "NETDIST_RANK": str(rank),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
         })
+        return env
+
+    def _names(self, ranks: Sequence[int]) -> str:
+        """``"rank 3"`` / ``"ranks 0, 1"`` for messages."""
+        return rank_list(ranks)
+
+    def _current(self) -> list[_Child]:
+        """The processes termination signals: every child started."""
+        return self.children
+
+    def _spawn(self, rank: int) -> _Child:
         pipe = subprocess.PIPE if self.prefix_output else None
-        proc = _popen(self.cmd, env, pipe)
+        proc = _popen(self.cmd, self._child_env(rank), pipe)
         child = _Child(rank, proc)
+        self.children.append(child)
         for stream, sink in ((proc.stdout, self.sinks[0]), (proc.stderr, self.sinks[1])):
             if stream is not None:
                 tail = child.stderr_tail if stream is proc.stderr else None
-                splitter = _LineSplitter(f"[rank {rank}] ".encode(), sink, tail)
+                splitter = _LineSplitter(f"[{self._noun} {rank}] ".encode(), sink, tail)
                 self.selector.register(stream, selectors.EVENT_READ, splitter)
                 self.open_pipes += 1
         waiter = threading.Thread(target=self._wait_for, args=(child,), daemon=True,
-                                  name=f"netdist-launch-rank-{rank}")
+                                  name=f"netdist-launch-{self._noun}-{rank}")
         waiter.start()
         self.waiters.append(waiter)
         return child
@@ -522,7 +573,7 @@ class _Attempt:
         self.terminated_at = time.monotonic()
         self.kill_at = self.terminated_at + self.grace_period
         running = []
-        for child in self.children:
+        for child in self._current():
             if not child.exited:
                 running.append(child.rank)
             _signal_group(child.proc.pid, signal.SIGTERM)
@@ -531,10 +582,10 @@ class _Attempt:
 
     def _kill_remaining(self, why: str) -> None:
         """SIGKILL the process group of every rank still running, saying ``why``."""
-        stubborn = [c.rank for c in self.children if not c.exited]
+        stubborn = [c.rank for c in self._current() if not c.exited]
         if stubborn:
-            _log(why.format(ranks=rank_list(stubborn)))
-        for child in self.children:
+            _log(why.format(ranks=self._names(stubborn)))
+        for child in self._current():
             if not child.exited:
                 _signal_group(child.proc.pid, signal.SIGKILL)
         self.killed = True
@@ -568,14 +619,14 @@ class _Attempt:
     def _run(self) -> _Outcome:
         for rank in range(self.nprocs):
             try:
-                self.children.append(self._spawn(rank))
+                self._spawn(rank)
             except OSError as exc:
                 status = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE
-                _log(f"cannot start rank {rank}: {exc}")
+                _log(f"cannot start {self._noun} {rank}: {exc}")
                 if self.children:
                     running = self._terminate()
                     self._finish_termination()
-                    _log(f"terminated {rank_list(running)}")
+                    _log(f"terminated {self._names(running)}")
                 return _Outcome(status, restartable=False)
             if self.wakeup.signals:
                 break  # stop spawning; the loop below handles the signal
@@ -583,6 +634,8 @@ class _Attempt:
         reported: _Outcome | None = None
         while True:
             now = time.monotonic()
+            # Taken before _check, so that _check has seen every exit when the loop ends.
+            settled = all(c.exited for c in self.children)
             if reported is None:
                 reported = self._check(now)
             if len(self.wakeup.signals) > self.handled_signals:
@@ -592,13 +645,13 @@ class _Attempt:
                     self._kill_remaining(
                         f"received {signal.Signals(signum).name}; sent SIGKILL to {{ranks}}")
             self._kill_if_overdue(now)
-            if all(c.exited for c in self.children):
+            if settled and all(c.exited for c in self.children):  # none restarted
                 break
             self._pump(self._wait_time(now))
 
         if self.terminating:
             # Stragglers a rank left behind in its process group go too.
-            for child in self.children:
+            for child in self._current():
                 _signal_group(child.proc.pid, signal.SIGKILL)
         self._drain_output()
         if self.rank_failed:
@@ -629,12 +682,7 @@ class _Attempt:
     def _check(self, now: float) -> _Outcome | None:
         """Decide whether the job has ended, and start tearing it down if so."""
         if self.wakeup.signals:
-            signum = self.wakeup.signals[0]
-            self.handled_signals = len(self.wakeup.signals)
-            running = self._terminate()
-            message = f"received {signal.Signals(signum).name}"
-            _log(f"{message}; terminated {rank_list(running)}" if running else message)
-            return _Outcome(128 + signum, restartable=False)
+            return self._stop_for_signal()
         failed = sorted((c for c in self.children if c.exited and c.returncode != 0),
                         key=lambda c: c.exit_seq or 0)
         if failed:
@@ -644,15 +692,28 @@ class _Attempt:
             self.rank_failed = True
             running = self._terminate()
             message = f"rank {first.rank} {describe_exit(first.returncode)}"
-            _log(f"{message}; terminated {rank_list(running)}" if running else message)
+            _log(f"{message}; terminated {self._names(running)}" if running else message)
             return _Outcome(_exit_status(first.returncode), restartable=True)
         if self.deadline is not None and now >= self.deadline:
-            running = self._terminate()
-            _log(f"job timed out after {self.timeout:g} s; terminated {rank_list(running)}")
-            return _Outcome(EXIT_TIMEOUT, restartable=False)
+            return self._stop_for_timeout()
         if all(c.exited for c in self.children):
             return _Outcome(0, restartable=False)
         return None
+
+    def _stop_for_signal(self) -> _Outcome:
+        """Tear the job down for the first signal the launcher received."""
+        signum = self.wakeup.signals[0]
+        self.handled_signals = len(self.wakeup.signals)
+        running = self._terminate()
+        message = f"received {signal.Signals(signum).name}"
+        _log(f"{message}; terminated {self._names(running)}" if running else message)
+        return _Outcome(128 + signum, restartable=False)
+
+    def _stop_for_timeout(self) -> _Outcome:
+        """Tear the job down because ``timeout`` expired."""
+        running = self._terminate()
+        _log(f"job timed out after {self.timeout:g} s; terminated {self._names(running)}")
+        return _Outcome(EXIT_TIMEOUT, restartable=False)
 
     def _finish_termination(self) -> None:
         """Wait (bounded by the grace period) for signalled children, then kill them."""
@@ -660,7 +721,7 @@ class _Attempt:
             now = time.monotonic()
             self._kill_if_overdue(now)
             self._pump(self._wait_time(now))
-        for child in self.children:
+        for child in self._current():
             _signal_group(child.proc.pid, signal.SIGKILL)
         self._drain_output()
 
@@ -673,6 +734,150 @@ class _Attempt:
                 _log("a rank's output is still held open by a leftover process; not waiting")
                 return
             self._pump(remaining)
+
+
+# --------------------------------------------------------------------------- elastic
+
+
+def _slot_list(slots: Sequence[int]) -> str:
+    """``"slot 3"`` or ``"slots 0, 1, 2"``."""
+    noun = "slot" if len(slots) == 1 else "slots"
+    return f"{noun} {', '.join(str(s) for s in slots)}"
+
+
+def _free_ports(host: str, count: int, avoid: set[int]) -> list[int]:
+    """``count`` distinct ports the OS reports free on ``host`` now, none of them in ``avoid``.
+
+    Every socket is closed before this returns: the slots bind these ports themselves.
+    Raises ``ConfigError`` when ``host`` cannot be bound.
+    """
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            if len(sockets) > count + 64:  # pragma: no cover - avoid holds a handful at most
+                raise ConfigError(f"cannot find {count} free ports on {host!r}")
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            try:
+                sock.bind((bare, 0))
+            except OSError as exc:
+                raise ConfigError(f"{_ELASTIC_HOST}={host!r}: cannot bind a port there "
+                                  f"({exc})") from None
+            port = sock.getsockname()[1]
+            if port not in avoid:
+                ports.append(port)
+    finally:
+        for sock in sockets:
+            sock.close()
+    return ports
+
+
+class _ElasticRun(_Attempt):
+    """An elastic job (``launch(elastic=True)``): a slot that fails is restarted alone.
+
+    Slots ``0..initial-1`` are the initial ranks, the rest spares. A slot that exits
+    non-zero (or is killed by a signal) gets SIGKILL for what it left in its process
+    group, then a new process with the same environment but ``NETDIST_RESTART_COUNT``
+    one higher, up to ``max_restarts`` times; after that it stays down. A slot that exits
+    0 is done. The job fails when fewer than ``min_nodes`` slots are running, restartable
+    or done; it succeeds when every slot that is not down has exited 0. A signal to the
+    launcher and the timeout tear every slot down as in a fixed job.
+    """
+
+    _noun = "slot"
+
+    def __init__(self, *, ports: Sequence[int], initial: int, max_restarts: int,
+                 min_nodes: int, **kwargs: Any) -> None:
+        super().__init__(nprocs=len(ports), **kwargs)
+        self.ports = list(ports)
+        self.initial = initial
+        self.max_restarts = max_restarts
+        self.min_nodes = min_nodes
+        self.restarts = [0] * len(self.ports)
+        self.slots: dict[int, _Child] = {}  # the newest process of every started slot
+        self.down: list[int] = []  # slots that failed with no restart left, in that order
+        self.handled: set[_Child] = set()  # exited processes already acted on
+
+    def _child_env(self, rank: int) -> dict[str, str]:
+        env = dict(self.env)
+        env["NETDIST_ELASTIC_SLOT"] = str(rank)
+        env["NETDIST_ELASTIC_PORT"] = str(self.ports[rank])
+        env["NETDIST_RESTART_COUNT"] = str(self.restarts[rank])
+        if rank < self.initial:
+            env.update({"NETDIST_RANK": str(rank), "RANK": str(rank), "LOCAL_RANK": str(rank)})
+        else:  # a spare has no rank until the elastic runtime gives it one
+            for name in ("NETDIST_RANK", "RANK", "LOCAL_RANK"):
+                env.pop(name, None)
+        return env
+
+    def _names(self, ranks: Sequence[int]) -> str:
+        return _slot_list(ranks)
+
+    def _current(self) -> list[_Child]:
+        return list(self.slots.values())
+
+    def _spawn(self, rank: int) -> _Child:
+        child = super()._spawn(rank)
+        self.slots[rank] = child
+        return child
+
+    def _check(self, now: float) -> _Outcome | None:
+        if self.wakeup.signals:
+            return self._stop_for_signal()
+        if self.deadline is not None and now >= self.deadline:
+            return self._stop_for_timeout()
+        exited = sorted((c for c in self.children if c.exited and c not in self.handled),
+                        key=lambda c: c.exit_seq or 0)
+        for child in exited:
+            self.handled.add(child)
+            if child.returncode != 0:
+                outcome = self._on_failure(child)
+                if outcome is not None:
+                    return outcome
+        if all(c.exited for c in self.slots.values()):
+            if self.down:
+                _log(f"job finished: {_slot_list(self.down)} stayed down, every other slot "
+                     "exited 0")
+            return _Outcome(0, restartable=False)
+        return None
+
+    def _on_failure(self, child: _Child) -> _Outcome | None:
+        """Restart ``child``'s slot, or leave it down; an outcome when the job must end."""
+        slot = child.rank
+        what = f"slot {slot} (pid {child.proc.pid}) {describe_exit(child.returncode)}"
+        # What the process left in its group goes too: it may hold the slot's port.
+        _signal_group(child.proc.pid, signal.SIGKILL)
+        if self.restarts[slot] < self.max_restarts:
+            self.restarts[slot] += 1
+            _log(f"{what}; restarting it (restart {self.restarts[slot]} of "
+                 f"{self.max_restarts})")
+            try:
+                self._spawn(slot)
+            except OSError as exc:
+                _log(f"cannot restart slot {slot}: {exc}")
+                running = self._terminate()
+                if running:
+                    _log(f"terminated {self._names(running)}")
+                status = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) \
+                    else EXIT_CANNOT_EXECUTE
+                return _Outcome(status, restartable=False)
+            return None
+        self.down.append(slot)
+        total = len(self.ports)
+        left = total - len(self.down)
+        _log(f"{what}; it stays down, no restart left ({self.max_restarts} of "
+             f"{self.max_restarts} used); {left} of {total} slots left (minimum "
+             f"{self.min_nodes})")
+        if left >= self.min_nodes:
+            return None
+        running = self._terminate()
+        message = (f"job failed: slot {slot} is down and only {left} of {total} slots are "
+                   f"left, fewer than the minimum of {self.min_nodes}")
+        _log(f"{message}; terminated {self._names(running)}" if running else message)
+        return _Outcome(_exit_status(child.returncode), restartable=False)
 
 
 # --------------------------------------------------------------------------- public
@@ -706,7 +911,7 @@ def check_environment(env: Mapping[str, str]) -> None:
 
         shared_memory_copy(None, environ=env)
     known = CONFIG_VARIABLES | SET_BY_LAUNCHERS | {
-        PS_SERVERS_ENV, PS_MAX_STALENESS_ENV, "NETDIST_SHM_COPY",
+        PS_SERVERS_ENV, PS_MAX_STALENESS_ENV, "NETDIST_SHM_COPY", *_ELASTIC_VARIABLES,
         "NETDIST_CHECKPOINT_FAILPOINT",  # a testing hook (netdist.checkpoint.commit)
     }
     unknown = sorted(name for name in env if name.startswith("NETDIST_") and name not in known)
@@ -725,6 +930,9 @@ def launch(
     timeout: float | None = None,
     job_id: str | None = None,
     grace_period: float = DEFAULT_GRACE_PERIOD,
+    elastic: bool = False,
+    spares: int = 0,
+    min_nodes: int | None = None,
 ) -> int:
     """Run ``cmd`` as ``nprocs`` local ranks of one job and return the job's exit status.
 
@@ -738,6 +946,12 @@ def launch(
     latest checkpoint. Signals to the launcher, the timeout and a command that cannot be
     started are never retried. ``timeout`` bounds the whole job, restarts included.
     ``grace_period`` is the time between SIGTERM and SIGKILL when ranks are terminated.
+
+    ``elastic=True`` starts an elastic job instead (module docstring, "Elastic mode"):
+    ``nprocs`` slots plus ``spares`` spare slots, each restarted alone, up to
+    ``max_restarts`` times per slot, while the others keep running; the job fails once
+    fewer than ``min_nodes`` slots (default: a strict majority of ``nprocs``) are running,
+    restartable or done. ``spares`` and ``min_nodes`` need ``elastic=True``.
 
     Returns the exit status described in the module docstring. Raises ``ConfigError``
     for invalid arguments and for an invalid ``NETDIST_*`` variable in the ranks'
@@ -758,6 +972,17 @@ def launch(
         raise ConfigError(f"grace_period must be >= 0 seconds, got {grace_period!r}")
     if job_id is not None and not job_id:
         raise ConfigError("job_id must not be empty")
+    if not isinstance(elastic, bool):
+        raise ConfigError(f"elastic must be True or False, got {elastic!r}")
+    if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+        raise ConfigError(f"spares must be an integer >= 0, got {spares!r}")
+    if min_nodes is not None and (isinstance(min_nodes, bool) or not isinstance(min_nodes, int)
+                                  or not 1 <= min_nodes <= nprocs):
+        raise ConfigError(f"min_nodes must be an integer from 1 to the number of processes "
+                          f"({nprocs}), got {min_nodes!r}")
+    if not elastic and (spares or min_nodes is not None):
+        raise ConfigError(f"spares={spares!r} and min_nodes={min_nodes!r} need elastic=True "
+                          "(a fixed job restarts as a whole)")
     fixed_coordinator = None
     if coordinator is not None:
         fixed_coordinator = _format_host_port(*parse_host_port(coordinator, what="coordinator"))
@@ -774,6 +999,13 @@ def launch(
         "NETDIST_JOB_ID": job_id or base_env.get("NETDIST_JOB_ID") or f"job-{secrets.token_hex(6)}",
     })
     base_env.setdefault("PYTHONUNBUFFERED", "1")  # live output from Python ranks
+
+    if elastic:
+        return _launch_elastic(
+            cmd, nprocs, base_env, coordinator=fixed_coordinator, spares=spares,
+            min_nodes=nprocs // 2 + 1 if min_nodes is None else min_nodes,
+            max_restarts=max_restarts, prefix_output=prefix_output, timeout=timeout,
+            grace_period=grace_period)
 
     deadline = None if timeout is None else time.monotonic() + timeout
     sinks = (_Sink(sys.stdout), _Sink(sys.stderr))
@@ -808,3 +1040,39 @@ def launch(
                 return outcome.status
             restart += 1
             _log(f"restarting the job ({restart} of {max_restarts})")
+
+
+def _launch_elastic(cmd: list[str], nprocs: int, base_env: dict[str, str], *,
+                    coordinator: str | None, spares: int, min_nodes: int, max_restarts: int,
+                    prefix_output: bool, timeout: float | None, grace_period: float) -> int:
+    """``launch(elastic=True)`` once the arguments are checked: one run, per-slot restarts.
+
+    The coordinator address, ``MASTER_PORT`` and every slot's port are chosen once, so a
+    restarted slot is found where it was.
+    """
+    env = dict(base_env)
+    if coordinator is None:
+        coordinator = f"127.0.0.1:{_free_port('127.0.0.1', avoid=None)}"
+    env["NETDIST_COORDINATOR"] = coordinator
+    env["NETDIST_RESTART_COUNT"] = "0"
+    _set_torch_master(env, base_env, coordinator)
+    avoid = {parse_host_port(coordinator, what="coordinator")[1]}
+    if env.get("MASTER_PORT", "").isdigit():
+        avoid.add(int(env["MASTER_PORT"]))
+    host = base_env.get(_ELASTIC_HOST) or "127.0.0.1"
+    ports = _free_ports(host, nprocs + spares, avoid)
+    shown_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    env.update({
+        "NETDIST_ELASTIC": "1",
+        _ELASTIC_HOST: host,
+        "NETDIST_ELASTIC_SEEDS": ",".join(f"{shown_host}:{port}" for port in ports),
+        "NETDIST_ELASTIC_MIN": str(min_nodes),
+    })
+    deadline = None if timeout is None else time.monotonic() + timeout
+    sinks = (_Sink(sys.stdout), _Sink(sys.stderr))
+    with _Wakeup() as wakeup:
+        run = _ElasticRun(ports=ports, initial=nprocs, max_restarts=max_restarts,
+                          min_nodes=min_nodes, cmd=cmd, env=env, prefix_output=prefix_output,
+                          deadline=deadline, timeout=timeout, grace_period=grace_period,
+                          wakeup=wakeup, sinks=sinks)
+        return run.run().status

@@ -26,8 +26,19 @@ exit status: 0 if every rank succeeded; else the first failing rank's exit code
 (128+N if it died from signal N); 130/143 on SIGINT/SIGTERM; 124 on --timeout;
 127/126 if the command cannot be started; 2 for invalid options or NETDIST_* values.
 
-example:
+elastic mode (--elastic): a slot that fails is restarted alone while the others keep
+running; --max-restarts K then counts per slot. --spares S starts S extra slots at once.
+The job fails once fewer than --min-nodes slots (default: a strict majority of N) are
+running, restartable or done, and succeeds when every slot that is not down exited 0.
+Each process also gets NETDIST_ELASTIC=1, NETDIST_ELASTIC_SLOT, NETDIST_ELASTIC_PORT (its
+own port on NETDIST_ELASTIC_HOST, default 127.0.0.1, kept across its restarts),
+NETDIST_ELASTIC_SEEDS (every slot's host:port), NETDIST_ELASTIC_MIN and its own
+NETDIST_RESTART_COUNT; spares get no NETDIST_RANK / RANK / LOCAL_RANK. Output is
+prefixed [slot N].
+
+examples:
   netdist launch -n 4 -- python train.py --epochs 3
+  netdist launch --elastic -n 4 --spares 1 --max-restarts 3 -- python train.py
 """
 
 
@@ -45,10 +56,22 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                         help="number of ranks to start")
     parser.add_argument("--coordinator", metavar="HOST:PORT",
                         help="rank 0's coordinator address (default: a free port on "
-                             "127.0.0.1, new on each restart)")
+                             "127.0.0.1, new on each restart; with --elastic, one for the "
+                             "whole run)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
                         help="restart the whole job up to K times after a rank fails "
-                             "(NETDIST_RESTART_COUNT tells the job; default 0)")
+                             "(NETDIST_RESTART_COUNT tells the job; default 0); with "
+                             "--elastic, restart each failed slot alone, up to K times "
+                             "per slot")
+    parser.add_argument("--elastic", action="store_true",
+                        help="elastic job: restart only the process that failed, keep the "
+                             "others running (see below)")
+    parser.add_argument("--spares", type=int, default=0, metavar="S",
+                        help="with --elastic: start S spare processes that join the job "
+                             "(slots N..N+S-1; default 0)")
+    parser.add_argument("--min-nodes", type=int, default=None, metavar="M",
+                        help="with --elastic: fail the job once fewer than M slots are "
+                             "running or restartable (default: a strict majority of N)")
     parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                         help="wall-clock limit for the whole job, restarts included")
     parser.add_argument("--job-id", default=None, metavar="ID",
@@ -79,4 +102,7 @@ def run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         job_id=args.job_id,
         grace_period=args.grace_period,
+        elastic=args.elastic,
+        spares=args.spares,
+        min_nodes=args.min_nodes,
     )
