@@ -82,7 +82,7 @@ async def _work(args: argparse.Namespace) -> None:
     import numpy as np
 
     from netdist.ps import PSClient, SGDConfig, num_servers_from_env
-    from netdist.ps.faults import replicas_from_env
+    from netdist.ps import replicas_from_env
     from netdist.transport.bootstrap import init
 
     servers = num_servers_from_env()

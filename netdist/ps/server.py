@@ -232,8 +232,13 @@ class PSServer:
         if backed is None or self._resume is not None:
             return await self._run_shard()
         backup = ShardBackup(self._ep, backed, shard_tag_range(self.tags, backed), backed)
-        report, takeover = await run_all([self._run_shard(), self._run_backup(backup)])
-        return dataclasses.replace(report, takeover=takeover)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                own = tg.create_task(self._run_shard())
+                other = tg.create_task(self._run_backup(backup))
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+        return dataclasses.replace(own.result(), takeover=other.result())
 
     async def _run_backup(self, backup: ShardBackup) -> ServerReport | None:
         """Mirror shard ``backup.shard``; serve it if its primary is lost."""

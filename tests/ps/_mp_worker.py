@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from netdist.ps import PSClient, SGDConfig, num_servers_from_env
-from netdist.ps.faults import WorkerLoss, replicas_from_env
+from netdist.ps import WorkerLoss, replicas_from_env
 from netdist.transport.bootstrap import init
 from tests.ps._model import dyadic_grads, dyadic_params, init_mlp, mse_grads, regression_data
 
