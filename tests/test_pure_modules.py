@@ -49,6 +49,7 @@ PURE = [
     "netdist.ps.staleness",
     "netdist.ps.roles",
     "netdist.ps.protocol",
+    "netdist.ps.faults",
     "netdist.parallel.stages",
     "netdist.parallel.schedule",
     "netdist.parallel.flat_param",

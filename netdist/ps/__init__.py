@@ -16,7 +16,8 @@ The PURE logic, one module per job:
 ``placement`` (which server holds which elements), ``messages`` (how an exchange is cut
 into messages), ``shard`` (a server's parameters and optimizer), ``staleness`` (the
 version clock and bounded-staleness rule), ``roles`` (which ranks serve, environment
-knobs) and ``protocol`` (tags and headers). The optimizer configs are
+knobs), ``faults`` (shard replicas and what a lost worker does) and ``protocol`` (tags
+and headers). ``replication`` is the primary-backup channel of a replicated shard. The optimizer configs are
 ``netdist.optim``'s, shared with ``netdist.train`` and FSDP.
 
 Every mode takes CPU torch tensors wherever it takes NumPy arrays (``netdist.tensors``),
@@ -56,6 +57,10 @@ _EXPORTS: dict[str, str] = {
     "num_servers_from_env": "netdist.ps.roles",
     "PS_SERVERS_ENV": "netdist.ps.roles",
     "DEFAULT_BIGARRAY_BOUND": "netdist.ps.placement",
+    "WorkerLoss": "netdist.ps.faults",
+    "ReplicaLayout": "netdist.ps.faults",
+    "replicas_from_env": "netdist.ps.faults",
+    "PS_REPLICAS_ENV": "netdist.ps.faults",
 }
 
 __all__ = [
@@ -83,12 +88,17 @@ __all__ = [
     "num_servers_from_env",
     "PS_SERVERS_ENV",
     "DEFAULT_BIGARRAY_BOUND",
+    "WorkerLoss",
+    "ReplicaLayout",
+    "replicas_from_env",
+    "PS_REPLICAS_ENV",
 ]
 
 if TYPE_CHECKING:
     from netdist.optim import AdamConfig, OptimizerConfig, SGDConfig, ShardOptimizer
     from netdist.ps.adapters import ServerOptimizerAggregator
     from netdist.ps.client import PSClient
+    from netdist.ps.faults import PS_REPLICAS_ENV, ReplicaLayout, WorkerLoss, replicas_from_env
     from netdist.ps.colocated import ColocatedPS
     from netdist.ps.parameter_server import ParameterServer
     from netdist.ps.placement import (

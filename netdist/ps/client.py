@@ -27,6 +27,15 @@ and then that server's share in segments (``plan_segments``): a large slice trav
 its own message, straight from and into the tensor's memory, and runs of small slices
 are packed into one. Only the initial values at init go as one flat buffer
 (``ShardPlan.pack``). docs/PROTOCOL.md section 9 gives the messages.
+
+Failover (``replicas=1``, every server and worker of the job alike): each request carries
+a sequence number, the same to every shard. When the server of a shard is lost
+(``PeerLostError``: a killed process is seen at once, a stopped one after the transport's
+liveness window) and had not told this worker why, the shard's backup server takes it
+over: this worker sends the request that was in flight to the backup, once, with the
+same sequence number, so a push the backup already applied is not applied again. Every
+update acknowledged to any worker (by the answer to a pull or step) is on the backup, so
+none is lost; the worker is held for the time the transport takes to notice the loss.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import msgpack
 import numpy as np
 
 from netdist.errors import NetdistError, ParameterServerError, PeerLostError
+from netdist.ps.faults import ReplicaLayout, WorkerLoss
 from netdist.optim import AdamConfig, OptimizerConfig, SGDConfig
 from netdist.collectives.tags import TagRange
 from netdist.ps._link import (
@@ -58,6 +68,7 @@ from netdist.ps.protocol import (
     ShardedStream,
     decode_header,
     encode_header,
+    shard_tag_range,
     stream_tag,
 )
 from netdist.ps.messages import Segment, plan_segments
@@ -73,6 +84,19 @@ _ERRMSG_TIMEOUT = 5.0
 Tensors = Sequence[np.ndarray] | Mapping[str, np.ndarray]
 
 
+class _ServerLost(Exception):
+    """Internal: the server of a shard was lost mid-request.
+
+    ``error`` is what the worker raises if it cannot fail over; ``told`` is True when the
+    server said why it went (its ERROR), which no backup can fix.
+    """
+
+    def __init__(self, error: ParameterServerError, told: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.told = told
+
+
 class PSClient(WorkerSession):
     """One worker's connection to the ``num_servers`` dedicated servers of its job.
 
@@ -84,11 +108,14 @@ class PSClient(WorkerSession):
     parameter servers in the same order.
     With ``colocated=True`` every rank is a worker and the server ranks also serve; the
     rank's server and client then share ``loopback`` (``ColocatedPS`` sets this up).
+    ``replicas=1``: the servers keep a backup of every shard, and this worker fails over
+    to it when a server is lost (see the module doc).
     """
 
     def __init__(self, group: GroupLike | Transport, *, num_servers: int,
                  timeout: float | None = None, tags: TagRange | None = None,
-                 colocated: bool = False, loopback: Loopback | None = None) -> None:
+                 colocated: bool = False, loopback: Loopback | None = None,
+                 replicas: int = 0) -> None:
         self._ep, self.roles = open_endpoint(group, num_servers=num_servers, timeout=timeout,
                                              colocated=colocated, loopback=loopback)
         if not self.roles.is_worker(self._ep.rank):
@@ -98,6 +125,14 @@ class PSClient(WorkerSession):
         self.worker_index = self.roles.worker_index(self._ep.rank)
         self.tags = reserve_ps_tags(group, SHARDED_OWNER, tags)
         """The transport tags of this job's servers and workers (reserved from the group)."""
+        if replicas and colocated:
+            raise ValueError("replicas need dedicated server ranks (colocated=False)")
+        self.layout = ReplicaLayout(num_servers, replicas)
+        self._shard_tags = [shard_tag_range(self.tags, s) if self.layout.replicated
+                            else self.tags for s in range(num_servers)]
+        self._owner = list(range(num_servers))
+        self.failovers: list[tuple[int, int]] = []
+        """``(shard, new server rank)`` for every failover this worker made, in order."""
         self.plan: ShardPlan | None = None
         self.names: list[str] = []
         self.max_staleness: int | None = None
@@ -135,18 +170,25 @@ class PSClient(WorkerSession):
     def timeout(self) -> float:
         return self._ep.timeout
 
+    @property
+    def owners(self) -> tuple[int, ...]:
+        """Per shard, the server rank serving it now (its backup after a failover)."""
+        return tuple(self._owner)
+
     # -- public API ----------------------------------------------------------------------
 
     async def init(self, params: Tensors, *, optimizer: OptimizerConfig,
                    max_staleness: int | None = 0,
-                   bigarray_bound: int = DEFAULT_BIGARRAY_BOUND) -> list[np.ndarray]:
+                   bigarray_bound: int = DEFAULT_BIGARRAY_BOUND,
+                   worker_loss: WorkerLoss = WorkerLoss.FAIL) -> list[np.ndarray]:
         """Register the model with the servers and return the initial parameters.
 
         Every worker passes tensors of the same names, shapes and dtype and the same
         options; the first worker's *values* become the initial parameters, which every
         worker gets back (fresh arrays, in ``params`` order). ``optimizer`` runs on the
         servers. ``max_staleness``: 0 = synchronous, ``k`` = bounded staleness, ``None`` =
-        fully asynchronous (see ``StalenessController``).
+        fully asynchronous (see ``StalenessController``). ``worker_loss``: what the
+        servers do when a worker is lost (``WorkerLoss``; the default ends the job).
         """
         if self._state != "new":
             raise ParameterServerError(f"init() on a PSClient that is {self._state}")
@@ -157,6 +199,8 @@ class PSClient(WorkerSession):
                                           or isinstance(max_staleness, bool)
                                           or max_staleness < 0):
             raise ValueError(f"max_staleness must be None or an int >= 0, got {max_staleness!r}")
+        if not isinstance(worker_loss, WorkerLoss):
+            raise TypeError(f"worker_loss must be a WorkerLoss, got {worker_loss!r}")
         values = params.values() if isinstance(params, Mapping) else params
         tensors = not isinstance(params, np.ndarray) and any(is_tensor(v) for v in values)
         if tensors:
@@ -170,17 +214,23 @@ class PSClient(WorkerSession):
             "bigarray_bound": int(bigarray_bound),
             "optimizer": optimizer.to_dict(),
             "max_staleness": NO_STALENESS_BOUND if max_staleness is None else max_staleness,
+            **({} if worker_loss is WorkerLoss.FAIL else {"worker_loss": worker_loss.value}),
         })
         first = self.worker_index == 0
         self._state = "initialising"
 
         async def one(server: int) -> int:
-            await self._send(server, ShardedStream.CTRL, encode_header(Kind.INIT, int(first)),
-                             "init")
-            await self._send(server, ShardedStream.DATA, np.frombuffer(meta, np.uint8), "init")
-            if first:
-                await self._send(server, ShardedStream.DATA, plan.pack(server, arrays), "init")
-            version, _ = await self._reply(server, [], "init")
+            try:
+                await self._send(server, ShardedStream.CTRL,
+                                 encode_header(Kind.INIT, int(first)), "init")
+                await self._send(server, ShardedStream.DATA, np.frombuffer(meta, np.uint8),
+                                 "init")
+                if first:
+                    await self._send(server, ShardedStream.DATA, plan.pack(server, arrays),
+                                     "init")
+                version, _ = await self._reply(server, [], "init")
+            except _ServerLost as lost:
+                raise lost.error from lost.__cause__
             return version
 
         versions = await self._all([one(s) for s in range(self.num_servers)])
@@ -207,7 +257,8 @@ class PSClient(WorkerSession):
         arrays = self._as_list(grads, self.names)
         plan.check_arrays(arrays, writable=False)
         self._check_push()
-        await self._all([self._request(s, PUSH, arrays, None, "push")
+        seq = self._next_sequence()
+        await self._all([self._request(s, PUSH, arrays, None, "push", seq)
                          for s in range(self.num_servers)])
         self._pushed_since_pull = True
 
@@ -219,7 +270,8 @@ class PSClient(WorkerSession):
         """
         plan = self._ready("pull")
         targets, staged = self._outputs(plan, out)
-        await self._all([self._request(s, PULL, None, targets, "pull")
+        seq = self._next_sequence()
+        await self._all([self._request(s, PULL, None, targets, "pull", seq)
                          for s in range(self.num_servers)])
         self._pushed_since_pull = False
         return self._results(targets, out, staged)
@@ -236,7 +288,8 @@ class PSClient(WorkerSession):
         plan.check_arrays(arrays, writable=False)
         targets, staged = self._outputs(plan, out)
         self._check_push()
-        await self._all([self._request(s, PUSH | PULL, arrays, targets, "step")
+        seq = self._next_sequence()
+        await self._all([self._request(s, PUSH | PULL, arrays, targets, "step", seq)
                          for s in range(self.num_servers)])
         self._pushed_since_pull = False
         return self._results(targets, out, staged)
@@ -249,8 +302,20 @@ class PSClient(WorkerSession):
             await self.abort(f"worker rank {self.rank} closed before init completed")
             return
         self._state = "closed"
-        await run_all([self._send(s, ShardedStream.CTRL, encode_header(Kind.DONE), "close")
-                       for s in range(self.num_servers)])
+
+        async def one(shard: int) -> None:
+            try:
+                await self._send(shard, ShardedStream.CTRL, encode_header(Kind.DONE), "close")
+            except _ServerLost as lost:
+                if not self._fail_over(shard, lost):
+                    raise lost.error from lost.__cause__
+                try:
+                    await self._send(shard, ShardedStream.CTRL, encode_header(Kind.DONE),
+                                     "close")
+                except _ServerLost as again:
+                    raise again.error from again.__cause__
+
+        await run_all([one(s) for s in range(self.num_servers)])
 
     async def abort(self, reason: str) -> None:
         """Tell every server this worker failed (best effort); they stop the whole job."""
@@ -261,11 +326,13 @@ class PSClient(WorkerSession):
         text = np.frombuffer(reason.encode(), dtype=np.uint8)
         timeout = min(_ERRMSG_TIMEOUT, self._ep.timeout)
 
-        async def one(server: int) -> None:
+        async def one(shard: int) -> None:
             try:
-                await self._ep.send(server, encode_header(Kind.ABORT),
-                                    self._tag(ShardedStream.CTRL), timeout=timeout)
-                await self._ep.send(server, text, self._tag(ShardedStream.ERRMSG),
+                await self._ep.send(self._owner[shard], encode_header(Kind.ABORT),
+                                    self._tag(ShardedStream.CTRL, shard=shard),
+                                    timeout=timeout)
+                await self._ep.send(self._owner[shard], text,
+                                    self._tag(ShardedStream.ERRMSG, shard=shard),
                                     timeout=timeout)
             except NetdistError:
                 pass
@@ -286,8 +353,22 @@ class PSClient(WorkerSession):
             await self.abort(f"worker rank {self.rank} failed: {exc}")
             raise
 
-    def _tag(self, stream: ShardedStream, index: int = 0) -> int:
-        return stream_tag(self.tags, stream, index)
+    def _tag(self, stream: ShardedStream, index: int = 0, *, shard: int = 0) -> int:
+        return stream_tag(self._shard_tags[shard], stream, index)
+
+    def _next_sequence(self) -> int:
+        self._sequence += 1
+        return self._sequence
+
+    def _fail_over(self, shard: int, lost: _ServerLost) -> bool:
+        """Turn to ``shard``'s backup after its server was lost; False if there is none
+        to turn to (no replicas, already failed over, or the server said why it went)."""
+        backup = self.layout.backup(shard)
+        if lost.told or backup is None or self._owner[shard] != shard:
+            return False
+        self._owner[shard] = backup
+        self.failovers.append((shard, backup))
+        return True
 
     def _ready(self, what: str) -> ShardPlan:
         if self._state != "ready" or self.plan is None:
@@ -352,57 +433,78 @@ class PSClient(WorkerSession):
             return targets
         return [t if s is None else s.finish() for t, s in zip(targets, staged)]
 
-    async def _send(self, server: int, stream: ShardedStream, data: Any, what: str, *,
+    async def _send(self, shard: int, stream: ShardedStream, data: Any, what: str, *,
                     index: int = 0) -> None:
+        """Send to the server of ``shard`` (``_ServerLost`` if it is gone)."""
         self.bytes_sent += data.nbytes
+        server = self._owner[shard]
         try:
-            await self._ep.send(server, data, self._tag(stream, index))
+            await self._ep.send(server, data, self._tag(stream, index, shard=shard))
         except PeerLostError as exc:
-            raise await self._lost(server, what, exc) from exc
+            raise await self._lost(shard, server, what, exc) from exc
 
-    async def _lost(self, server: int, what: str, exc: PeerLostError) -> ParameterServerError:
+    async def _lost(self, shard: int, server: int, what: str,
+                    exc: PeerLostError) -> _ServerLost:
         """The error for a lost server: its own last word if it sent one, else the loss.
 
         A server that fails tells its workers why before it goes away; that ERROR may
         already sit in the mailbox while this worker was still sending.
         """
         try:
-            raw = await self._ep.recv(server, self._tag(ShardedStream.REPLY), timeout=0.05)
+            raw = await self._ep.recv(server, self._tag(ShardedStream.REPLY, shard=shard),
+                                      timeout=0.05)
             kind, _, _, _ = decode_header(raw, peer=server)
             if kind is Kind.ERROR:
-                text = (await self._ep.recv(server, self._tag(ShardedStream.ERRMSG),
+                text = (await self._ep.recv(server,
+                                            self._tag(ShardedStream.ERRMSG, shard=shard),
                                             timeout=0.05)).tobytes().decode(errors="replace")
-                return ParameterServerError(f"{what} on worker rank {self.rank}: {text}")
+                return _ServerLost(
+                    ParameterServerError(f"{what} on worker rank {self.rank}: {text}"), True)
         except (NetdistError, ValueError):
             pass
-        return ParameterServerError(
+        return _ServerLost(ParameterServerError(
             f"{what} on worker rank {self.rank}: lost parameter server rank {server}: "
-            f"{self._ep.describe(exc)}")
+            f"{self._ep.describe(exc)}"), False)
 
-    async def _request(self, server: int, flags: int, grads: list[np.ndarray] | None,
-                       targets: list[np.ndarray] | None, what: str) -> None:
-        """One request to ``server``: header, gradient segments, then the reply if pulling.
+    async def _request(self, shard: int, flags: int, grads: list[np.ndarray] | None,
+                       targets: list[np.ndarray] | None, what: str, seq: int) -> None:
+        """One request to the server of ``shard``; after its loss, once to the backup."""
+        try:
+            await self._request_once(shard, flags, grads, targets, what, seq)
+        except _ServerLost as lost:
+            if not self._fail_over(shard, lost):
+                raise lost.error from lost.__cause__
+        else:
+            return
+        try:
+            await self._request_once(shard, flags, grads, targets, what, seq)
+        except _ServerLost as again:
+            raise again.error from again.__cause__
+
+    async def _request_once(self, shard: int, flags: int, grads: list[np.ndarray] | None,
+                            targets: list[np.ndarray] | None, what: str, seq: int) -> None:
+        """One request to the server of ``shard``: header, gradient segments, then the
+        reply if pulling.
 
         Large slices go straight from the gradient tensors and land straight in
         ``targets``; small ones are packed into (and unpacked from) one buffer each way.
         """
-        self._sequence += 1
-        header = encode_header(Kind.REQUEST, flags, self._versions[server], self._sequence)
-        await self._send(server, ShardedStream.CTRL, header, what)
-        segments = self._segments[server]
+        header = encode_header(Kind.REQUEST, flags, self._versions[shard], seq)
+        await self._send(shard, ShardedStream.CTRL, header, what)
+        segments = self._segments[shard]
         if flags & PUSH:
             if grads is None:  # pragma: no cover - internal misuse
                 raise ParameterServerError("push without gradients")
             for seg in segments:
-                await self._send(server, ShardedStream.DATA, self._segment_data(seg, grads),
+                await self._send(shard, ShardedStream.DATA, self._segment_data(seg, grads),
                                  what, index=seg.index)
         if flags & PULL:
             if targets is None:  # pragma: no cover - internal misuse
                 raise ParameterServerError("pull without targets")
-            landing = [self._segment_landing(server, seg, targets) for seg in segments]
-            version, _ = await self._reply(server, landing, what)
-            self._versions[server] = version
-            buffer = self._pull_bufs[server]
+            landing = [self._segment_landing(shard, seg, targets) for seg in segments]
+            version, _ = await self._reply(shard, landing, what)
+            self._versions[shard] = version
+            buffer = self._pull_bufs[shard]
             for seg in segments:
                 if not seg.direct:
                     for piece in seg.slices:
@@ -429,21 +531,24 @@ class PSClient(WorkerSession):
             return targets[piece.key].reshape(-1)[piece.start:piece.stop]
         return self._pull_bufs[server][seg.offset:seg.offset + seg.size]
 
-    async def _reply(self, server: int, landing: list[np.ndarray],
+    async def _reply(self, shard: int, landing: list[np.ndarray],
                      what: str) -> tuple[int, int]:
-        """Wait for the server's answer; parameter segment ``i`` lands in ``landing[i]``."""
+        """Wait for the answer of the server of ``shard``; parameter segment ``i`` lands in
+        ``landing[i]``."""
+        server = self._owner[shard]
         params_tasks = [asyncio.ensure_future(self._ep.recv(  # posted first: lands in place
-            server, self._tag(ShardedStream.PARAMS, i), out=out))
+            server, self._tag(ShardedStream.PARAMS, i, shard=shard), out=out))
             for i, out in enumerate(landing)]
         try:
-            raw = await self._ep.recv(server, self._tag(ShardedStream.REPLY))
+            raw = await self._ep.recv(server, self._tag(ShardedStream.REPLY, shard=shard))
             try:
                 kind, a, b, _ = decode_header(raw, peer=server)
             except ValueError as exc:
                 raise ParameterServerError(f"{what}: {exc}") from None
             if kind is Kind.ERROR:
                 try:
-                    text = (await self._ep.recv(server, self._tag(ShardedStream.ERRMSG),
+                    text = (await self._ep.recv(server,
+                                                self._tag(ShardedStream.ERRMSG, shard=shard),
                                                 timeout=min(_ERRMSG_TIMEOUT, self._ep.timeout))
                             ).tobytes().decode(errors="replace")
                 except NetdistError as exc:
@@ -456,7 +561,7 @@ class PSClient(WorkerSession):
                 await task
             return a, b
         except PeerLostError as exc:
-            raise await self._lost(server, what, exc) from exc
+            raise await self._lost(shard, server, what, exc) from exc
         finally:
             pending = [t for t in params_tasks if not t.done()]
             for task in pending:

@@ -37,6 +37,7 @@ __all__ = [
     "encode_header",
     "decode_header",
     "check_tag_range",
+    "shard_tag_range",
 ]
 
 SYNC_OWNER = "ps.sync"
@@ -82,6 +83,13 @@ class ShardedStream(enum.IntEnum):
     """server -> worker: parameter segment k on ``PARAMS + k`` (after an OK reply to a pull)."""
     ERRMSG = 4
     """server -> worker / worker -> server: UTF-8 error text after an ERROR/ABORT header."""
+    REPLICATE = 5
+    """primary -> backup server of a shard: ``int64`` header (``REPLICA_*`` kinds)."""
+    REPLICA_DATA = 6
+    """primary -> backup: the payloads after a ``REPLICA_*`` header, piece k on
+    ``REPLICA_DATA + k``."""
+    REPLICA_ACK = 7
+    """backup -> primary: ``[REPLICA_ACK, version, 0, 0]`` once an event has applied."""
 
 
 class Kind(enum.IntEnum):
@@ -100,6 +108,20 @@ class Kind(enum.IntEnum):
     pull ``[OK, version, 0, 0]``, then the parameters."""
     ERROR = 6
     """server -> worker: [ERROR, culprit rank or -1, 0, 0]; error text follows."""
+    REPLICA_INIT = 7
+    """primary -> backup: [REPLICA_INIT, 0, 0, 0], then the init map (msgpack: specs,
+    options) on piece 0 and the shard's initial values on piece 1."""
+    REPLICA_APPLY = 8
+    """primary -> backup: [REPLICA_APPLY, n, version before, divisor], then an ``int64``
+    table of ``n`` rows (worker index, sequence, base) on piece 0 and the ``n`` flat
+    gradients, in update order, on pieces 1..n."""
+    REPLICA_DROP = 9
+    """primary -> backup: [REPLICA_DROP, worker index, 0, 0]: the worker finished or was
+    dropped (not acknowledged)."""
+    REPLICA_FINISH = 10
+    """primary -> backup: [REPLICA_FINISH, version, 0, 0]: the shard is done serving."""
+    REPLICA_ACK = 11
+    """backup -> primary: [REPLICA_ACK, version, 0, 0]."""
 
 
 PUSH = 1
@@ -110,6 +132,19 @@ PULL = 2
 HEADER_LEN = 4
 NO_STALENESS_BOUND = -1
 """``max_staleness=None`` (fully asynchronous) on the wire."""
+
+
+def shard_tag_range(tags: TagRange, shard: int) -> TagRange:
+    """The tags of shard ``shard`` in a replicated job's range ``tags``.
+
+    With replicas a server rank may serve two shards (its own and one it took over), so
+    each shard talks on a span of its own: span ``shard`` of the range, whichever rank
+    serves it. A range holds ``MAX_REPLICATED_SHARDS`` spans.
+    """
+    if not 0 <= shard < tags.size // _TAG_SPAN:
+        raise ValueError(f"shard {shard} is outside the {tags.size // _TAG_SPAN} shards "
+                         f"{tags.owner}'s range can hold")
+    return TagRange(tags.owner, tags.base + shard * _TAG_SPAN, _TAG_SPAN)
 
 
 def check_tag_range(tags: TagRange) -> TagRange:

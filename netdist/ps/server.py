@@ -30,11 +30,30 @@ the reason to every other worker still running -- they raise ``ParameterServerEr
 naming that worker -- and raise it itself. A lost server is seen by the workers' own
 transport. Nothing waits longer than the timeout; note that the timeout also bounds how
 long a worker may stay silent between requests (a long evaluation needs a long timeout).
+
+Fault tolerance (``netdist.ps.faults``), both opt-in:
+
+- ``worker_loss=WorkerLoss.CONTINUE`` (chosen by the workers at init): a lost, silent or
+  aborting worker is *dropped* instead (``StalenessController.finish``): asynchronous and
+  bounded-staleness training stop waiting for it, and synchronous training applies each
+  later update once every remaining worker has pushed, dividing by the number of
+  gradients in it. The server's report lists the dropped workers.
+- ``replicas=1``: every shard has a backup server rank (``ReplicaLayout``), and each shard
+  talks on a tag span of its own (``shard_tag_range``), whichever rank serves it. The
+  primary forwards each update to the backup and applies it there before any pull that
+  could see it is answered (``netdist.ps.replication``), so every acknowledged update is
+  on two processes. When the primary is lost, the backup serves the shard from its copy
+  (a second ``PSServer`` for that shard in the backup's process, whose clock is
+  ``StalenessController.resume``d); workers retry the request that was in flight there
+  once, and a retried push whose sequence number the shard already applied is received
+  and discarded, not applied twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +78,7 @@ from netdist.ps._link import (
     reserve_ps_tags,
     run_all,
 )
+from netdist.ps.faults import ReplicaLayout, WorkerLoss
 from netdist.ps.protocol import (
     NO_STALENESS_BOUND,
     PULL,
@@ -68,8 +88,10 @@ from netdist.ps.protocol import (
     ShardedStream,
     decode_header,
     encode_header,
+    shard_tag_range,
     stream_tag,
 )
+from netdist.ps.replication import BackupLink, ReplicaState, ShardBackup, UpdateRecord
 from netdist.ps.messages import Segment, plan_segments
 from netdist.ps.placement import ParamSpec, ShardPlan, plan_shards
 from netdist.ps.shard import ServerShard
@@ -81,6 +103,8 @@ __all__ = ["PSServer", "ServerReport", "serve"]
 
 _NOTIFY_TIMEOUT = 5.0
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class ServerReport:
@@ -90,6 +114,11 @@ class ServerReport:
     version: int
     log: tuple[VersionLogEntry, ...]
     num_workers: int
+    dropped: tuple[int, ...] = ()
+    """Worker ranks dropped after a loss (``WorkerLoss.CONTINUE``), in order."""
+    takeover: ServerReport | None = None
+    """With replicas: the report of the shard this server took over from its lost
+    primary (``server`` there is the shard's index), else None."""
 
     @property
     def max_staleness_observed(self) -> int:
@@ -103,21 +132,42 @@ class PSServer:
     ``num_servers`` ranks are servers and this must be one of them. The workers are the
     other ranks or, with ``colocated=True``, every rank (this one included, reached
     through ``loopback``; ``ColocatedPS`` sets this up).
+    ``replicas=1`` gives every shard a backup on the next server rank (see the module
+    doc); every server and worker of the job must pass the same value.
     """
 
     def __init__(self, group: GroupLike | Transport, *, num_servers: int,
                  timeout: float | None = None, tags: TagRange | None = None,
-                 colocated: bool = False, loopback: Loopback | None = None) -> None:
+                 colocated: bool = False, loopback: Loopback | None = None,
+                 replicas: int = 0) -> None:
         self._ep, self.roles = open_endpoint(group, num_servers=num_servers, timeout=timeout,
                                              colocated=colocated, loopback=loopback)
         if not self.roles.is_server(self._ep.rank):
             raise ParameterServerError(
                 f"rank {self._ep.rank} is a worker rank (servers are ranks "
                 f"0..{num_servers - 1}); run PSClient there")
+        if replicas and colocated:
+            raise ValueError("replicas need dedicated server ranks (colocated=False)")
+        self.layout = ReplicaLayout(num_servers, replicas)
         self.server = self._ep.rank
         self.tags = reserve_ps_tags(group, SHARDED_OWNER, tags)
         """The transport tags of this job's servers and workers (reserved from the group)."""
+        self.shard_index = self.server
+        """The shard this object serves: its own rank's, or one taken over."""
+        self._shard_tags = (shard_tag_range(self.tags, self.server) if self.layout.replicated
+                            else self.tags)
+        backup = self.layout.backup(self.server)
+        self._backup: BackupLink | None = (
+            None if backup is None else
+            BackupLink(self._ep, backup, self._shard_tags, self.server))
+        self._resume: ReplicaState | None = None
+        self._worker_loss = WorkerLoss.FAIL
         self._workers = list(self.roles.worker_ranks)
+        self._applied_seq = [-1] * len(self._workers)
+        """Per worker, the sequence number of its last applied push (for deduplication)."""
+        self._push_seq = [-1] * len(self._workers)
+        self._applying = False
+        self._dropped: list[int] = []
         self.plan: ShardPlan | None = None
         self.shard: ServerShard | None = None
         """This server's shard (after init): master parameters, optimizer, pulled values."""
@@ -160,19 +210,76 @@ class PSServer:
         """One entry per applied push (worker index, its version, the server version)."""
         return [] if self.clock is None else list(self.clock.log)
 
+    @property
+    def dropped(self) -> list[int]:
+        """Worker ranks dropped after a loss (``WorkerLoss.CONTINUE``)."""
+        return list(self._dropped)
+
     async def run(self) -> ServerReport:
         """Initialise from the workers, serve their requests, return when all are done.
 
         Raises ``ParameterServerError`` (after telling every other worker) when a worker is
         lost, aborts or breaks the protocol, ``NetdistTimeoutError`` when one stays silent
-        past the timeout. Cancellation leaves the workers to their own timeouts.
+        past the timeout -- unless the workers chose ``WorkerLoss.CONTINUE``, which drops
+        that worker instead. With replicas this server also backs up the previous
+        server's shard, and serves it too if that server is lost (``takeover`` in the
+        report). Cancellation leaves the workers to their own timeouts.
         """
         if self._started:
             raise ParameterServerError("PSServer.run() can be called only once")
         self._started = True
+        backed = self.layout.backed_up(self.server)
+        if backed is None or self._resume is not None:
+            return await self._run_shard()
+        backup = ShardBackup(self._ep, backed, shard_tag_range(self.tags, backed), backed)
         try:
-            await self._initialise()
+            async with asyncio.TaskGroup() as tg:
+                own = tg.create_task(self._run_shard())
+                other = tg.create_task(self._run_backup(backup))
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+        return dataclasses.replace(own.result(), takeover=other.result())
+
+    async def _run_backup(self, backup: ShardBackup) -> ServerReport | None:
+        """Mirror shard ``backup.shard``; serve it if its primary is lost."""
+        state = await backup.run()
+        if state is None:
+            return None
+        successor = PSServer.__new__(PSServer)
+        successor.__dict__.update(self.__dict__)  # same endpoint, roles, tags and workers
+        successor._take_over(backup.shard, state)
+        return await successor._run_shard()
+
+    def _take_over(self, shard: int, state: ReplicaState) -> None:
+        """Become the server of ``shard`` from the backup's ``state`` (see ``run``)."""
+        self.shard_index = shard
+        self._shard_tags = shard_tag_range(self.tags, shard)
+        self._backup = None  # the shard's one backup is this process: served unreplicated
+        self._resume = state
+        self._changed = asyncio.Condition()
+        self._apply_lock = asyncio.Lock()
+        self._readers = 0
+        self._applying = False
+        self._done = False
+        self._dropped = []
+        num_workers = len(self._workers)
+        self._applied_seq = [state.applied.get(w, -1) for w in range(num_workers)]
+        self._push_seq = [-1] * num_workers
+        self._configure(state.meta, state.shard.wire, shard=state.shard)
+        clock = self.clock
+        if clock is None:  # pragma: no cover - _configure sets it
+            raise ParameterServerError("takeover without a clock")
+        self.clock = StalenessController.resume(num_workers, clock.max_staleness,
+                                                state.version, state.log, sorted(state.done))
+
+    async def _run_shard(self) -> ServerReport:
+        """Serve this object's shard until every worker is done (``run``'s body)."""
+        try:
+            if self._resume is None:
+                await self._initialise()
             await self._serve()
+            if self._backup is not None:
+                await self._backup.finish(self.version)
         except RankFailure as failure:
             worker = failure.rank
             message = (f"parameter server rank {self.server} lost worker rank {worker}: "
@@ -192,7 +299,8 @@ class PSServer:
         clock = self.clock
         if clock is None:  # pragma: no cover - _initialise sets it
             raise ParameterServerError("server finished without initialising")
-        return ServerReport(self.server, clock.version, tuple(clock.log), len(self._workers))
+        return ServerReport(self.shard_index, clock.version, tuple(clock.log),
+                            len(self._workers), tuple(self._dropped))
 
     async def wait_until(self, predicate: Callable[[PSServer], bool], *,
                          timeout: float | None = None) -> None:
@@ -207,7 +315,7 @@ class PSServer:
     # -- init ----------------------------------------------------------------------------
 
     def _tag(self, stream: ShardedStream, index: int = 0) -> int:
-        return stream_tag(self.tags, stream, index)
+        return stream_tag(self._shard_tags, stream, index)
 
     async def _recv(self, worker: int, stream: ShardedStream, what: str,
                     out: np.ndarray | None = None, index: int = 0) -> np.ndarray:
@@ -262,33 +370,48 @@ class PSServer:
                         f"rank {first} passed {first_meta.get(key)!r}; every worker must "
                         "init with the same tensors and options")
         try:
-            specs = [ParamSpec.from_wire(s) for s in first_meta["specs"]]
-            if first_meta["num_servers"] != self.roles.num_servers:
-                raise ValueError(f"workers expect {first_meta['num_servers']} servers, the "
-                                 f"job has {self.roles.num_servers}")
-            plan = plan_shards(specs, self.roles.num_servers,
-                               bigarray_bound=int(first_meta["bigarray_bound"]))
-            optimizer = optimizer_config_from_dict(first_meta["optimizer"])
-            staleness = first_meta["max_staleness"]
-            clock = StalenessController(len(self._workers),
-                                        None if staleness == NO_STALENESS_BOUND else staleness)
+            self._configure(first_meta, values)
         except (KeyError, TypeError, ValueError) as exc:
             raise ParameterServerError(f"invalid init from worker rank {first}: {exc}") from None
-        size = plan.server_sizes[self.server]
-        dtype = dtype_from_wire(plan.dtype)
-        if values is None or values.dtype != dtype or values.shape != (size,):
-            got = "nothing" if values is None else f"{values.dtype}{list(values.shape)}"
-            raise ParameterServerError(f"worker rank {first} sent {got} as initial values; "
-                                       f"server {self.server} holds {plan.dtype}[{size}]")
-        self.plan = plan
-        self.shard = ServerShard(optimizer, values)
-        self.clock = clock
-        self._segments = plan_segments(plan, self.server)
-        self._grads = [np.empty(size, dtype) for _ in self._workers]
+        if self._backup is not None and values is not None:
+            await self._backup.init(msgpack.packb(first_meta), values)
+        clock = self.clock
+        if clock is None:  # pragma: no cover - _configure sets it
+            raise ParameterServerError("init without a clock")
         wire_staleness = NO_STALENESS_BOUND if clock.max_staleness is None else clock.max_staleness
         ok = encode_header(Kind.OK, 0, wire_staleness)
         await run_all([self._send(w, ShardedStream.REPLY, ok, "answering INIT")
                        for w in self._workers])
+
+    def _configure(self, meta: dict[str, Any], values: np.ndarray | None, *,
+                   shard: ServerShard | None = None) -> None:
+        """Plan, shard, clock and buffers from the init map ``meta`` (``ValueError``,
+        ``KeyError`` or ``TypeError`` if it is not valid; ``ParameterServerError`` if
+        ``values`` do not fit). ``shard``: a replica's, taken over as it is."""
+        specs = [ParamSpec.from_wire(s) for s in meta["specs"]]
+        if meta["num_servers"] != self.roles.num_servers:
+            raise ValueError(f"workers expect {meta['num_servers']} servers, the "
+                             f"job has {self.roles.num_servers}")
+        plan = plan_shards(specs, self.roles.num_servers,
+                           bigarray_bound=int(meta["bigarray_bound"]))
+        optimizer = optimizer_config_from_dict(meta["optimizer"])
+        staleness = meta["max_staleness"]
+        clock = StalenessController(len(self._workers),
+                                    None if staleness == NO_STALENESS_BOUND else staleness)
+        worker_loss = WorkerLoss(meta.get("worker_loss", WorkerLoss.FAIL.value))
+        size = plan.server_sizes[self.shard_index]
+        dtype = dtype_from_wire(plan.dtype)
+        if values is None or values.dtype != dtype or values.shape != (size,):
+            got = "nothing" if values is None else f"{values.dtype}{list(values.shape)}"
+            raise ParameterServerError(f"worker rank {self._workers[0]} sent {got} as "
+                                       f"initial values; server {self.shard_index} holds "
+                                       f"{plan.dtype}[{size}]")
+        self.plan = plan
+        self.shard = ServerShard(optimizer, values) if shard is None else shard
+        self.clock = clock
+        self._worker_loss = worker_loss
+        self._segments = plan_segments(plan, self.shard_index)
+        self._grads = [np.empty(size, dtype) for _ in self._workers]
 
     # -- serving -------------------------------------------------------------------------
 
@@ -296,7 +419,9 @@ class PSServer:
         try:
             async with asyncio.TaskGroup() as tg:
                 for index, worker in enumerate(self._workers):
-                    tg.create_task(self._serve_worker(index, worker))
+                    if self.clock is not None and index not in self.clock.active:
+                        continue  # a resumed shard: this worker finished before
+                    tg.create_task(self._serve_or_drop(index, worker))
         except BaseExceptionGroup as group:
             raise first_error(group) from None
 
@@ -309,14 +434,41 @@ class PSServer:
             text = f"(its error text was lost: {exc})"
         raise RankFailure(worker, "worker aborted", ParameterServerError(text))
 
+    async def _serve_or_drop(self, index: int, worker: int) -> None:
+        """Serve one worker; with ``WorkerLoss.CONTINUE`` a failure of that worker (lost,
+        silent past the timeout, aborted) drops it instead of ending the job."""
+        try:
+            await self._serve_worker(index, worker)
+        except RankFailure as failure:
+            if self._worker_loss is not WorkerLoss.CONTINUE or failure.rank != worker:
+                raise
+            await self._drop(index, f"{failure.what}: {self._ep.describe(failure.error)}")
+
+    async def _drop(self, index: int, reason: str) -> None:
+        """Go on without worker ``index`` (``WorkerLoss.CONTINUE``)."""
+        clock = self.clock
+        if clock is None or index not in clock.active:
+            return
+        worker = self._workers[index]
+        logger.warning("netdist: parameter server rank %d (shard %d) drops worker rank %d: "
+                       "%s", self.server, self.shard_index, worker, reason)
+        self._dropped.append(worker)
+        clock.finish(index)
+        if self._backup is not None:
+            await self._backup.drop(index)
+        await self._advance()
+
     async def _serve_worker(self, index: int, worker: int) -> None:
         clock = self.clock
         if clock is None:  # pragma: no cover - set by _initialise
             raise ParameterServerError("server used before init")
         while True:
-            kind, flags, base, _ = await self._recv_header(worker, "waiting for its next request")
+            kind, flags, base, seq = await self._recv_header(worker,
+                                                             "waiting for its next request")
             if kind is Kind.DONE:
                 clock.finish(index)
+                if self._backup is not None:
+                    await self._backup.drop(index)
                 await self._advance()
                 return
             if kind is Kind.ABORT:
@@ -324,22 +476,36 @@ class PSServer:
             if kind is not Kind.REQUEST or not flags or flags & ~(PUSH | PULL):
                 raise RankFailure(worker, "serving", ParameterServerError(
                     f"unexpected {kind.name} message (flags {flags})"))
-            if flags & PUSH:
+            if not clock.base_known(index):
+                try:
+                    clock.report_base(index, base)
+                except ParameterServerError as exc:
+                    raise RankFailure(worker, "resuming", exc) from None
+            if flags & PUSH and seq <= self._applied_seq[index]:
+                # a retry of a push this shard applied before its primary was lost: take
+                # the gradient off the wire and do not apply it again
+                await self._receive_gradient(index, worker, base)
+            elif flags & PUSH:
                 try:
                     clock.check_push(index, base)
                 except ParameterServerError as exc:
                     raise RankFailure(worker, "push", exc) from None
                 # land the gradient first: once pending, another worker's push may apply it
-                grad = self._grads[index]
-                await run_all([self._recv(worker, ShardedStream.DATA,
-                                          f"receiving gradient of version {base}",
-                                          out=grad[seg.offset:seg.offset + seg.size],
-                                          index=seg.index)
-                               for seg in self._segments])
+                await self._receive_gradient(index, worker, base)
+                self._push_seq[index] = seq
                 clock.on_push(index, base)
                 await self._advance()
             if flags & PULL:
                 await self._answer_pull(index, worker)
+
+    async def _receive_gradient(self, index: int, worker: int, base: int) -> None:
+        """Land worker ``index``'s gradient segments in its gradient buffer."""
+        grad = self._grads[index]
+        await run_all([self._recv(worker, ShardedStream.DATA,
+                                  f"receiving gradient of version {base}",
+                                  out=grad[seg.offset:seg.offset + seg.size],
+                                  index=seg.index)
+                       for seg in self._segments])
 
     async def _advance(self) -> None:
         """Apply every update the staleness rule allows, then wake waiting pulls."""
@@ -355,35 +521,61 @@ class PSServer:
                     async with self._changed:
                         await self._changed.wait_for(lambda: self._readers == 0)
                     continue
-                self._apply(update)
+                await self._apply(update)
         async with self._changed:
             self._changed.notify_all()
 
-    def _apply(self, update: tuple[int, ...]) -> None:
+    async def _apply(self, update: tuple[int, ...]) -> None:
+        """Apply one update here and, with a backup, there, before any pull sees it.
+
+        Synchronous training divides by the gradients in the update (every remaining
+        worker's, so a dropped worker shrinks the average); the other modes by the
+        number of workers, as before. The gradients stay pending (their buffers
+        untouched) until the backup has applied them too; meanwhile ``_applying`` holds
+        back new pull answers.
+        """
         shard, clock = self.shard, self.clock
         if shard is None or clock is None:
             raise ParameterServerError("server used before init")  # pragma: no cover
-        shard.apply([self._grads[w] for w in update], len(self._workers))
-        clock.commit(update)
+        grads = [self._grads[w] for w in update]
+        divisor = len(update) if clock.max_staleness == 0 else len(self._workers)
+        self._applying = True
+        try:
+            shard.apply(grads, divisor)
+            if self._backup is not None:
+                records = [UpdateRecord(w, self._push_seq[w], clock.base(w)) for w in update]
+                await self._backup.apply(records, grads, clock.version, divisor)
+            clock.commit(update)
+            for w in update:
+                self._applied_seq[w] = self._push_seq[w]
+        finally:
+            self._applying = False
 
     async def _answer_pull(self, index: int, worker: int) -> None:
         clock = self.clock
         if clock is None:  # pragma: no cover
             return
-        try:
-            async with asyncio.timeout(self._ep.timeout):
-                async with self._changed:
-                    await self._changed.wait_for(lambda: clock.can_pull(index))
-        except TimeoutError:
-            # blame the laggard that holds the update back, not the worker waiting for it
-            laggards = sorted((clock.base(w), w) for w in clock.active
-                              if w != index and clock.can_pull(w))
-            culprit = self._workers[laggards[0][1]] if laggards else worker
-            base = laggards[0][0] if laggards else clock.base(index)
-            raise RankFailure(culprit, "holding up the others", NetdistTimeoutError(
-                f"worker rank {worker}'s push waited {self._ep.timeout:.2f}s for worker rank "
-                f"{culprit} (at version {base}; server version {clock.version}, "
-                f"max_staleness={clock.max_staleness})")) from None
+        while True:
+            try:
+                async with asyncio.timeout(self._ep.timeout):
+                    async with self._changed:
+                        await self._changed.wait_for(
+                            lambda: clock.can_pull(index) and not self._applying)
+                break
+            except TimeoutError:
+                # blame the laggard that holds the update back, not the worker waiting
+                laggards = sorted((clock.base(w), w) for w in clock.active
+                                  if w != index and clock.can_pull(w))
+                culprit = self._workers[laggards[0][1]] if laggards else worker
+                base = laggards[0][0] if laggards else clock.base(index)
+                message = (f"worker rank {worker}'s push waited {self._ep.timeout:.2f}s for "
+                           f"worker rank {culprit} (at version {base}; server version "
+                           f"{clock.version}, max_staleness={clock.max_staleness})")
+                if self._worker_loss is WorkerLoss.CONTINUE and laggards:
+                    await self._drop(laggards[0][1], message)
+                    continue
+                raise RankFailure(culprit, "holding up the others",
+                                  NetdistTimeoutError(message)) from None
         self._readers += 1
         try:
             version = clock.on_pull(index)
@@ -424,8 +616,8 @@ class PSServer:
 
 
 async def serve(group: GroupLike | Transport, *, num_servers: int,
-                timeout: float | None = None,
-                tags: TagRange | None = None) -> ServerReport:
+                timeout: float | None = None, tags: TagRange | None = None,
+                replicas: int = 0) -> ServerReport:
     """Run one dedicated server on this rank until every worker is done."""
     return await PSServer(group, num_servers=num_servers, timeout=timeout,
-                          tags=tags).run()
+                          tags=tags, replicas=replicas).run()

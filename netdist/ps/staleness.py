@@ -5,6 +5,12 @@ each worker is in its pull -> compute -> push cycle (``WorkerState``) and decide
 held pushes apply next, so that no applied gradient is more than ``max_staleness``
 versions old (``None``: fully asynchronous; ``0``: synchronous). Every applied push is
 logged as a ``VersionLogEntry``, which is what tests assert the bound from.
+
+Two changes of membership are part of the clock: ``finish`` drops a worker that is done
+or lost (the rule stops waiting for it, so a departed worker never holds the others),
+and ``resume`` rebuilds the clock on a backup server that takes a shard over, where the
+versions the workers last pulled are not known until each worker's next request says
+(``report_base``).
 """
 
 from __future__ import annotations
@@ -87,6 +93,45 @@ class StalenessController:
         self._arrival = [0] * num_workers
         self._arrivals = 0
         self._finishing: set[int] = set()
+        self._unknown: set[int] = set()
+
+    @classmethod
+    def resume(cls, num_workers: int, max_staleness: int | None, version: int,
+               log: Sequence[VersionLogEntry], done: Sequence[int]) -> StalenessController:
+        """A clock continuing at ``version`` (a backup server taking a shard over).
+
+        The workers in ``done`` have finished or were dropped. The others' bases (the
+        version each last pulled) are unknown: each worker's next request reports it
+        (``report_base``), and until every active worker has, no held push applies under
+        a staleness bound -- a worker not yet heard from might be the slowest one.
+        """
+        clock = cls(num_workers, max_staleness)
+        clock.version = version
+        clock.log = list(log)
+        for w in done:
+            clock._state[w] = WorkerState.DONE
+        clock._unknown = {w for w in range(num_workers) if w not in set(done)}
+        return clock
+
+    def base_known(self, worker: int) -> bool:
+        """False on a resumed clock until ``worker`` has reported its base."""
+        return worker not in self._unknown
+
+    def report_base(self, worker: int, base: int) -> None:
+        """Take ``worker``'s word for the version it last pulled (a resumed clock).
+
+        The version must be one this clock has reached: every version a worker pulled was
+        acknowledged by the backup before the worker saw it.
+        """
+        if worker not in self._unknown:
+            return
+        if not 0 <= base <= self.version:
+            raise ParameterServerError(
+                f"worker {worker} reports having pulled version {base}, but this server "
+                f"is at version {self.version}")
+        self._unknown.discard(worker)
+        self._base[worker] = base
+        self._state[worker] = WorkerState.COMPUTING
 
     def state(self, worker: int) -> WorkerState:
         return self._state[worker]
@@ -148,6 +193,8 @@ class StalenessController:
             return None
         if self.max_staleness is None:
             return (min(pending, key=lambda w: self._arrival[w]),)
+        if any(w in self._unknown for w in self.active):
+            return None  # a resumed clock waits to hear where every worker is
         oldest = min(self._base[w] for w in pending)
         group = tuple(w for w in pending if self._base[w] == oldest)
         others = [self._base[w] for w, s in enumerate(self._state)
@@ -194,11 +241,13 @@ class StalenessController:
         return self.version
 
     def finish(self, worker: int) -> None:
-        """The worker is done and no longer holds the others back.
+        """The worker is done (or lost) and no longer holds the others back.
 
-        A push it left pending still applies, under the usual rule; the worker counts
-        as done from then on.
+        A push it left pending still applies, under the usual rule (its gradient arrived
+        whole, so it is a contribution like any other); the worker counts as done from
+        then on.
         """
+        self._unknown.discard(worker)
         if self._state[worker] is WorkerState.PENDING:
             self._finishing.add(worker)
         else:

@@ -75,3 +75,27 @@ def regression_data(rng: np.random.Generator, n: int, d_in: int = 6,
     w = rng.standard_normal((d_in, d_out))
     y = np.tanh(x @ w) + 0.01 * rng.standard_normal((n, d_out))
     return x, y
+
+
+DYADIC_SHAPES: tuple[tuple[int, ...], ...] = ((40,), (20, 15))
+"""Shapes of the order-free model: with ``bigarray_bound=200`` the second is sliced
+across two servers."""
+
+
+def dyadic_params() -> list[np.ndarray]:
+    """Zero initial parameters of the order-free model."""
+    return [np.zeros(shape) for shape in DYADIC_SHAPES]
+
+
+def dyadic_grads(worker: int, step: int) -> list[np.ndarray]:
+    """Gradients that do not depend on the parameters: multiples of 3/8, so divided by 3
+    workers (or 2, or 1) and scaled by a power-of-two learning rate every sum of them is
+    exact in float64, in any order. Asynchronous training over them ends at one exact
+    value, ``init - lr / W * (sum of every applied gradient)``, whatever the order the
+    pushes applied in: a lost update or one applied twice shows."""
+    grads = []
+    for shape in DYADIC_SHAPES:
+        n = int(np.prod(shape))
+        ints = (np.arange(n) + 7 * worker + 3 * step) % 5 + 1
+        grads.append((3.0 * ints / 8.0).reshape(shape))
+    return grads

@@ -19,9 +19,10 @@ REPO = Path(__file__).resolve().parents[2]
 pytest.importorskip("netdist.transport.bootstrap")
 
 
-def job_args(outdir: Path, *extra: str) -> list[str]:
-    """Arguments of ``python -m netdist.cli.ps_server`` for 2 servers and 2 workers."""
-    return ["--num-servers", "2", "--", sys.executable, "-m", "tests.ps._mp_worker",
+def job_args(outdir: Path, *extra: str, servers: int = 2) -> list[str]:
+    """Arguments of ``python -m netdist.cli.ps_server`` for ``servers`` servers whose
+    workers run ``tests.ps._mp_worker`` with ``extra``."""
+    return ["--num-servers", str(servers), "--", sys.executable, "-m", "tests.ps._mp_worker",
             str(outdir), *extra]
 
 

@@ -429,3 +429,55 @@ def test_pieces_cover_every_tensor_once_in_order() -> None:
     assert pieces[2].view(arrays) is not None and pieces[0].view(arrays) is None
     with pytest.raises(ValueError):
         plan_pieces(layout, chunk_bytes=0)
+
+
+# -- fault tolerance: replica layout, resumed clock ----------------------------------------
+
+
+def test_replica_layout_is_a_ring_of_backups() -> None:
+    from netdist.errors import ConfigError
+    from netdist.ps import ReplicaLayout, replicas_from_env
+
+    layout = ReplicaLayout(3, 1)
+    assert [layout.backup(s) for s in range(3)] == [1, 2, 0]
+    assert [layout.backed_up(r) for r in range(3)] == [2, 0, 1]
+    assert ReplicaLayout(3).backup(0) is None and not ReplicaLayout(3).replicated
+    with pytest.raises(ConfigError, match="needs 2"):
+        ReplicaLayout(1, 1)
+    with pytest.raises(ConfigError, match="0..1"):
+        ReplicaLayout(2, 2)
+    assert replicas_from_env({}) == 0
+    assert replicas_from_env({"NETDIST_PS_REPLICAS": "1"}) == 1
+    with pytest.raises(ConfigError, match="NETDIST_PS_REPLICAS"):
+        replicas_from_env({"NETDIST_PS_REPLICAS": "2"})
+
+
+def test_resumed_clock_waits_to_hear_every_worker_under_a_bound() -> None:
+    from netdist.errors import ParameterServerError
+
+    clock = StalenessController.resume(3, 1, version=5, log=[], done=[2])
+    assert clock.active == [0, 1]
+    assert not clock.base_known(0) and clock.base_known(2)
+    with pytest.raises(ParameterServerError, match="version 6"):
+        clock.report_base(0, 6)  # a version the backup never reached
+    clock.report_base(0, 5)
+    clock.on_push(0, 5)
+    assert clock.next_update() is None  # worker 1 might be the slowest: not heard from yet
+    clock.report_base(1, 4)
+    assert clock.next_update() is None  # applying would leave worker 1 two versions behind
+    clock.on_pull(1)  # worker 1 catches up
+    assert clock.next_update() == (0,)
+    # fully asynchronous: nothing to wait for
+    free = StalenessController.resume(2, None, version=3, log=[], done=[])
+    free.report_base(0, 3)
+    free.on_push(0, 3)
+    assert free.next_update() == (0,)
+
+
+def test_finish_drops_a_worker_the_sync_barrier_waited_for() -> None:
+    clock = StalenessController(3, 0)
+    clock.on_push(1, 0)
+    clock.on_push(2, 0)
+    assert clock.next_update() is None  # waits for worker 0
+    clock.finish(0)  # lost: the barrier shrinks to the workers left
+    assert clock.next_update() == (1, 2)

@@ -4,7 +4,7 @@ initialisation, shutdown and failures, all ranks in one event loop."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,8 +64,12 @@ def make_trainer(optimizer: Any, num_workers: int, bound: int = 200):
     return train
 
 
-def local_reference(optimizer: Any, num_workers: int, steps: int = STEPS) -> list[np.ndarray]:
-    """Same averaging order (worker 0 first, then /W) and optimizer, one process."""
+def local_reference(optimizer: Any, num_workers: int, steps: int = STEPS, *,
+                    live: Callable[[int], Sequence[int]] | None = None) -> list[np.ndarray]:
+    """Same averaging order (worker 0 first, then /W) and optimizer, one process.
+
+    ``live(step)``: the workers whose gradients make up that step's update (all, by
+    default), as synchronous servers that dropped a lost worker average them."""
     params = init_mlp(np.random.default_rng(7), SIZES)
     flat = np.concatenate([p.ravel() for p in params])
     opt = ShardOptimizer(optimizer, flat.size, np.float64)
@@ -73,12 +77,13 @@ def local_reference(optimizer: Any, num_workers: int, steps: int = STEPS) -> lis
                            d_in=SIZES[0], d_out=SIZES[-1])
     for step in range(steps):
         acc = None
-        for w in range(num_workers):
+        contributors = list(range(num_workers) if live is None else live(step))
+        for w in contributors:
             lo = (step * num_workers + w) * BATCH
             _, grads = mse_grads(params, x[lo:lo + BATCH], y[lo:lo + BATCH])
             g = np.concatenate([g.ravel() for g in grads])
             acc = g.copy() if acc is None else np.add(acc, g, out=acc)
-        np.divide(acc, num_workers, out=acc)
+        np.divide(acc, len(contributors), out=acc)
         opt.step(flat, acc)
         offset = 0
         for p in params:
