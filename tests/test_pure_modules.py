@@ -43,6 +43,8 @@ PURE = [
     "netdist.collectives.host.layout",
     "netdist.collectives.host.settings",
     "netdist.collectives.tags",
+    "netdist.elastic.membership",
+    "netdist.elastic.sampler",
     "netdist.ps.placement",
     "netdist.ps.messages",
     "netdist.ps.shard",

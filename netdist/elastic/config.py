@@ -7,7 +7,8 @@ or a compose file sets the same way)::
     NETDIST_ELASTIC_SEEDS     every slot's endpoint, host:port,host:port,... (slot order)
     NETDIST_ELASTIC_PORT      the port this slot's endpoint binds (default: its seed's)
     NETDIST_ELASTIC_HOST      the host it binds and advertises (default: its seed's host)
-    NETDIST_ELASTIC_MIN       members below which the job stops (default: a majority)
+    NETDIST_ELASTIC_MIN       members below which the job stops (default 1; a side must
+                              also hold a strict majority of the last membership)
     NETDIST_ELASTIC_TIMEOUT   the one knob, seconds (default 5): see ``failure_timeout``
     NETDIST_WORLD_SIZE        how many members form the first epoch
     NETDIST_RESTART_COUNT     > 0 makes a process join a running job instead of forming it
@@ -110,7 +111,7 @@ class ElasticConfig:
             "host": env.get("NETDIST_ELASTIC_HOST", own_host) or own_host,
             "port": _int(env, "NETDIST_ELASTIC_PORT", own_port),
             "initial_size": initial,
-            "min_members": _int(env, "NETDIST_ELASTIC_MIN", initial // 2 + 1),
+            "min_members": _int(env, "NETDIST_ELASTIC_MIN", 1),
             "failure_timeout": _float(env, "NETDIST_ELASTIC_TIMEOUT", DEFAULT_FAILURE_TIMEOUT),
             "restart_count": _int(env, "NETDIST_RESTART_COUNT", 0),
         }

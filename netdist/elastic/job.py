@@ -401,6 +401,7 @@ class ElasticJob:
         self.membership = membership
         self._lost.clear()
         self._stale = False
+        self._joining = False  # a member of this epoch now, even before it has the state
         rank = membership.rank_of(self.slot)
         host, port = fields["coordinator"]
         cfg = self.config
@@ -418,7 +419,6 @@ class ElasticJob:
         report = await synchronize_state(self.group, self.state, self.step)
         if report.step != self.step:
             self.step = report.step
-        self._joining = False
         self.phase = Phase.ACTIVE
         began = self._broken_since if self._broken_since is not None else self._loop.time()
         self._broken_since = None

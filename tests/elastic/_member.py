@@ -27,7 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
+import logging
 import netdist.elastic as elastic
+if os.environ.get("ELASTIC_TEST_LOG"):
+    logging.basicConfig(level=logging.INFO)
 import netdist.elastic.job as job_module
 import netdist.elastic.transfer as transfer_module
 
