@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "BlockingStepContext": "netdist.elastic.blocking",
     "connect": "netdist.elastic.blocking",
     "SyncReport": "netdist.elastic.transfer",
+    "ElasticDataParallel": "netdist.elastic.torch_data_parallel",
 }
 
 __all__ = list(_EXPORTS)
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from netdist.elastic.membership import Membership
     from netdist.elastic.sampler import ElasticSampler
     from netdist.elastic.state import ElasticState
+    from netdist.elastic.torch_data_parallel import ElasticDataParallel
     from netdist.elastic.transfer import SyncReport
 else:
     from netdist._lazy import attach as _attach

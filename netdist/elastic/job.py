@@ -485,6 +485,8 @@ class ElasticJob:
                     raise QuorumLostError(
                         f"slot {self.slot}: {reply.fields.get('reason', 'no quorum')}",
                         tuple(reply.fields.get("members", ())))
+                if code == "finished":
+                    raise ElasticError(f"slot {self.slot}: {reply.fields.get('reason')}")
                 if code == "stale":
                     self._joining = True
                     break
@@ -703,6 +705,11 @@ class ElasticJob:
         if self.phase is Phase.CLOSED:
             return
         self.phase = Phase.CLOSED
+        finished = _error("finished", f"the job ended (slot {self.slot} left at step "
+                          f"{self.step}) before this process could join it")
+        for arrival in list(self._pending.values()):
+            if not arrival.answer.done():
+                arrival.answer.set_result(finished)
         await self._drop_epoch(None)
         if self._leader_transport is not None:
             self._leader_transport.cancel()

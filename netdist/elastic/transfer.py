@@ -126,10 +126,8 @@ async def synchronize_state(group: Group, state: ElasticState, step: int) -> Syn
         return SyncReport(newest, agreed, donors, receivers)
     if me not in receivers:  # pragma: no cover - every member is one of the two
         raise AssertionError("member is neither donor nor receiver")
-    mismatch = [ArrayLayout.from_list(item) for item in layout] != wanted
-    if mismatch and step >= 0:
-        raise StateTransferError(f"this member's state layout differs from the donors' "
-                                 f"({len(layout)} vs {len(wanted)} entries)")
+    # the donors' layout is authoritative: a receiver may lack entries that appear
+    # lazily (torch optimizers create their buffers at the first step)
     fetched = {entry.name: np.empty(entry.shape, dtype=np.dtype(entry.dtype))
                for entry in wanted}
     targets = [_bytes_of(a) for a in fetched.values()]

@@ -9,11 +9,14 @@ Test hooks (environment):
 - ``ELASTIC_TEST_DIR``: after each commit, write ``slot<S>.json`` (step, epoch, rank,
   world size) atomically, and at the end ``slot<S>.final.npz`` (w, used, changes);
 - ``ELASTIC_TEST_DIE=<phase>:<step>``: SIGKILL this process at ``phase`` of step
-  ``step`` (``compute``, ``reduce`` (after the gradient all-reduce), ``vote`` (after the
+  ``step`` (only slot ``ELASTIC_TEST_DIE_SLOT`` if that is set) (``compute``, ``reduce`` (after the gradient all-reduce), ``vote`` (after the
   vote, before the commit), ``agree`` (while asking for an agreement), ``fetch`` (while
   sending or receiving state)); only on its first start (restart count 0);
 - ``ELASTIC_TEST_STEPS``: steps to train (default 40); ``ELASTIC_TEST_STEP_SECONDS``:
-  minimum seconds per step (default 0).
+  minimum seconds per step (default 0); ``ELASTIC_TEST_UNTIL_WORLD``: keep training past
+  the steps until the epoch has that many members (a replacement is in), so a slow
+  start of the replacement cannot find the job already over (the decision is the same
+  on every member: all see the same step and membership).
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ def dataset() -> tuple[np.ndarray, np.ndarray]:
 
 def _die_hooks(slot: int) -> tuple[str, int]:
     spec = os.environ.get("ELASTIC_TEST_DIE", "")
-    if not spec or os.environ.get("NETDIST_RESTART_COUNT", "0") != "0":
+    only = os.environ.get("ELASTIC_TEST_DIE_SLOT")
+    if (not spec or os.environ.get("NETDIST_RESTART_COUNT", "0") != "0"
+            or (only is not None and int(only) != slot)):
         return "", -1
     phase, step = spec.split(":")
     if phase == "agree":
@@ -127,7 +132,9 @@ def main() -> int:
         ctx.on_commit(commit)
 
     with elastic.connect(state, sampler=sampler) as job:
-        while job.step < steps:
+        until_world = int(os.environ.get("ELASTIC_TEST_UNTIL_WORLD", "0"))
+        joined = job.step  # a replacement trains at least one step before deciding
+        while job.step < steps or job.world_size < until_world or job.step == joined:
             job.run_step(step_fn)
             record = {"step": job.step, "epoch": job.epoch, "rank": job.rank,
                       "world_size": job.world_size, "pid": os.getpid()}

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-MEMBER = [sys.executable, "-m", "tests.elastic._member"]
 
 
 def free_ports(count: int) -> list[int]:
@@ -38,9 +37,11 @@ class ElasticCluster:
     """``n`` first members (slots ``0..n-1``) and room for ``spares`` more slots."""
 
     def __init__(self, tmp: Path, n: int, *, spares: int = 0, steps: int = 40,
-                 env: dict[str, str] | None = None, timeout: float = 60.0) -> None:
+                 env: dict[str, str] | None = None, timeout: float = 60.0,
+                 member: str = "tests.elastic._member") -> None:
         self.dir = tmp
         self.n = n
+        self.member = [sys.executable, "-m", member]
         self.ports = free_ports(n + spares + 1)
         self.seeds = ",".join(f"127.0.0.1:{p}" for p in self.ports[1:])
         self.token = secrets.token_hex(16)
@@ -67,7 +68,7 @@ class ElasticCluster:
                      "NETDIST_RANK": str(min(slot, self.n - 1)),
                      "NETDIST_RESTART_COUNT": str(count), **env}
         with open(log, "wb") as sink:
-            proc = subprocess.Popen(MEMBER, cwd=ROOT, env=child_env, stdout=sink,
+            proc = subprocess.Popen(self.member, cwd=ROOT, env=child_env, stdout=sink,
                                     stderr=subprocess.STDOUT)
         self.procs[slot] = proc
         return proc
