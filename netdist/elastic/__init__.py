@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "StepContext": "netdist.elastic.job",
     "StepReport": "netdist.elastic.job",
     "EpochChange": "netdist.elastic.job",
+    "StepDiscarded": "netdist.elastic.job",
     "ElasticConfig": "netdist.elastic.config",
     "ElasticState": "netdist.elastic.state",
     "ElasticSampler": "netdist.elastic.sampler",
@@ -41,7 +42,13 @@ __all__ = list(_EXPORTS)
 if TYPE_CHECKING:
     from netdist.elastic.blocking import BlockingElasticJob, BlockingStepContext, connect
     from netdist.elastic.config import ElasticConfig
-    from netdist.elastic.job import ElasticJob, EpochChange, StepContext, StepReport
+    from netdist.elastic.job import (
+        ElasticJob,
+        EpochChange,
+        StepContext,
+        StepDiscarded,
+        StepReport,
+    )
     from netdist.elastic.membership import Membership
     from netdist.elastic.sampler import ElasticSampler
     from netdist.elastic.state import ElasticState

@@ -25,7 +25,13 @@ from netdist.progress.thread import ProgressThread
 from netdist.types import ReduceOp
 
 from netdist.elastic.config import ElasticConfig
-from netdist.elastic.job import MEMBERSHIP_ERRORS, ElasticJob, StepContext, StepReport
+from netdist.elastic.job import (
+    MEMBERSHIP_ERRORS,
+    ElasticJob,
+    StepContext,
+    StepDiscarded,
+    StepReport,
+)
 from netdist.elastic.sampler import ElasticSampler
 from netdist.elastic.state import ElasticState
 
@@ -66,7 +72,7 @@ class BlockingStepContext:
 
     @property
     def global_count(self) -> int:
-        """Samples of the whole step."""
+        """Samples of the whole step (of the members that contributed, after a resume)."""
         return self.inner.global_count
 
     def all_reduce(self, array: Any, op: ReduceOp = ReduceOp.SUM) -> Any:
@@ -113,6 +119,8 @@ class BlockingElasticJob:
             ctx = BlockingStepContext(self.thread.run(self.job.prepare_step()), self.thread)
             try:
                 fn(ctx)
+            except StepDiscarded:
+                continue
             except MEMBERSHIP_ERRORS as exc:
                 if isinstance(exc, CollectiveMismatchError):
                     raise

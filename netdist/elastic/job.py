@@ -69,7 +69,7 @@ from netdist.elastic.sampler import ElasticSampler
 from netdist.elastic.state import ElasticState
 from netdist.elastic.transfer import SyncReport, synchronize_state
 
-__all__ = ["ElasticJob", "StepContext", "StepReport", "EpochChange"]
+__all__ = ["ElasticJob", "StepContext", "StepReport", "EpochChange", "StepDiscarded"]
 
 logger = logging.getLogger("netdist.elastic")
 
@@ -78,6 +78,11 @@ MEMBERSHIP_ERRORS: tuple[type[BaseException], ...] = (
 """Errors that mean "the epoch is broken", not a bug: the step is retried in a new epoch."""
 
 _SAMPLER_ENTRY = "netdist.elastic/sampler"
+
+
+class StepDiscarded(ElasticError):
+    """The step's attempt was discarded because the membership changed under it; the
+    step runs again (``run_step`` does this; a step function need not catch it)."""
 
 
 class Phase(enum.Enum):
@@ -121,8 +126,12 @@ class StepContext:
     batch: np.ndarray | None
     """This member's sample ids (from the job's sampler; None without one)."""
     global_count: int
-    """Samples of the whole step, all members together (0 without a sampler)."""
+    """Samples of the whole step, all members together (0 without a sampler). After a
+    resumed step, only the samples of the members that contributed."""
     _commit: list[Callable[[], None]] = field(default_factory=list)
+    _calls: int = 0
+    skipped: np.ndarray | None = None
+    """Ids of this step no member used (a lost member's share, after a resumed step)."""
 
     @property
     def rank(self) -> int:
@@ -145,8 +154,33 @@ class StepContext:
         return self.job.epoch
 
     async def all_reduce(self, array: Any, op: ReduceOp = ReduceOp.SUM) -> Any:
-        """All-reduce ``array`` on the epoch's group (a failure retries the step)."""
-        return await self.group.all_reduce(array, op)
+        """All-reduce ``array`` (in place) on the epoch's group.
+
+        When a member is lost during the step's *first* collective, the survivors agree
+        on a new epoch and, if every one of them was waiting in this same collective,
+        finish it among themselves without the lost member's share (its sample ids go
+        back to the sampler, ``global_count`` drops to the samples that were used): the
+        computation of the step is not thrown away. Otherwise the step is discarded
+        (``StepDiscarded``) and run again.
+        """
+        job = self.job
+        call = self._calls
+        self._calls += 1
+        job._position = ("reduce", call)
+        backup = np.array(array, copy=True) if call == 0 and isinstance(array, np.ndarray) \
+            else None
+        while True:
+            try:
+                return await self.group.all_reduce(array, op, timeout=job.op_timeout)
+            except MEMBERSHIP_ERRORS as exc:
+                if isinstance(exc, CollectiveMismatchError):
+                    raise
+                await job.epoch_failed(exc)
+                await job._ensure_active()
+                if backup is None or not job._resume(self, ("reduce", call)):
+                    raise StepDiscarded(f"step {job.step} is run again in epoch {job.epoch}"
+                                        ) from exc
+                np.copyto(array, backup)
 
     def on_commit(self, action: Callable[[], None]) -> None:
         """Run ``action`` when (and only when) the step commits: the optimizer update."""
@@ -201,7 +235,9 @@ class ElasticJob:
         self.changes: list[EpochChange] = []
         """Every membership this member adopted, with how long the change took."""
         self.discarded = 0
-        """Step attempts discarded because the membership changed under them."""
+        """Step attempts interrupted because the membership changed under them."""
+        self.resumed = 0
+        """Of those, the ones that went on in the new epoch instead of starting over."""
         self._loop = asyncio.get_running_loop()
         self._identity = EndpointIdentity(config.base.job_id, config.base.token, config.slot,
                                           config.base.insecure)
@@ -216,6 +252,10 @@ class ElasticJob:
         self._broken_since: float | None = None
         self._reason = "start"
         self._step_times: list[float] = []
+        self._position: tuple[str, int] | None = None
+        """Where this member is in its step: ("reduce", k) in collective k, ("vote", 0)."""
+        self._batch_ids: list[int] = []
+        self._positions: list[Any] = []
 
     # -- construction --------------------------------------------------------------------
 
@@ -289,6 +329,8 @@ class ElasticJob:
             started = self._loop.time()
             try:
                 await fn(ctx)
+            except StepDiscarded:
+                continue
             except MEMBERSHIP_ERRORS as exc:
                 if isinstance(exc, CollectiveMismatchError):
                     raise
@@ -300,6 +342,8 @@ class ElasticJob:
 
     async def prepare_step(self) -> StepContext:
         """Make sure an epoch is active (forming one if needed); the next attempt's context."""
+        self._position = None
+        self._batch_ids = []
         await self._ensure_active()
         assert self.group is not None and self.membership is not None
         batch = None
@@ -307,26 +351,35 @@ class ElasticJob:
         if self.sampler is not None:
             count = len(self.sampler.global_ids())
             batch = self.sampler.batch(self.rank, self.world_size)
+            self._batch_ids = batch.tolist()
         return StepContext(self, self.group, batch, count)
 
     async def finish_step(self, ctx: StepContext) -> bool:
         """The vote, then the commit; False (the attempt is discarded) if the epoch broke."""
-        assert self.group is not None
         started = self._loop.time()
-        waiting = float(len(self._pending)) if self._leads() else 0.0
-        try:
-            vote = await self.group.all_reduce(np.array([1.0, waiting]),
-                                               timeout=self.op_timeout)
-        except MEMBERSHIP_ERRORS as exc:
-            if isinstance(exc, CollectiveMismatchError):
-                raise
-            await self.epoch_failed(exc)
-            return False
+        self._position = ("vote", 0)
+        while True:
+            assert self.group is not None
+            waiting = float(len(self._pending)) if self._leads() else 0.0
+            try:
+                vote = await self.group.all_reduce(np.array([1.0, waiting]),
+                                                   timeout=self.op_timeout)
+                break
+            except MEMBERSHIP_ERRORS as exc:
+                if isinstance(exc, CollectiveMismatchError):
+                    raise
+                await self.epoch_failed(exc)
+                await self._ensure_active()
+                # every survivor was voting: each one's collectives of the step completed
+                # with every member's share, so the step commits in the new epoch
+                if not self._resume(ctx, ("vote", 0)):
+                    return False
+        self._position = None
         for action in ctx._commit:
             action()
         self.step += 1
         if self.sampler is not None:
-            self.sampler.advance()
+            self.sampler.advance(ctx.skipped)
         self._step_times.append(self._loop.time() - started)
         if vote[1] > 0:
             self._grow = True
@@ -346,6 +399,28 @@ class ElasticJob:
         logger.warning("netdist elastic: slot %d: epoch %d failed: %s", self.slot, self.epoch,
                        _short(exc))
         await self._drop_epoch(exc)
+
+    def _resume(self, ctx: StepContext, position: tuple[str, int]) -> bool:
+        """Whether the interrupted step goes on in the new epoch (see ``all_reduce``).
+
+        Only if every member of the new epoch was at the same step and the same point
+        of it: all waiting in the step's first collective (their computations stand;
+        the lost members' shares are handed back to the sampler), or all voting.
+        """
+        wanted = [self.step, list(position)]
+        if not self._positions or any(info[:2] != wanted for info in self._positions):
+            return False
+        assert self.group is not None
+        ctx.group = self.group
+        if position[0] == "reduce":
+            if position[1] != 0 or self.sampler is None:
+                return position[1] == 0 and self.sampler is None
+            used = {int(i) for info in self._positions for i in info[2]}
+            ids = self.sampler.global_ids()
+            ctx.skipped = ids[~np.isin(ids, list(used))]
+            ctx.global_count = len(ids) - len(ctx.skipped)
+        self.resumed += 1
+        return True
 
     # -- epochs --------------------------------------------------------------------------
 
@@ -419,6 +494,11 @@ class ElasticJob:
         report = await synchronize_state(self.group, self.state, self.step)
         if report.step != self.step:
             self.step = report.step
+            self._position = None
+        # where every member is in its step, for a step that may resume (``_resume``)
+        self._positions = await self.group.all_gather_object(
+            [self.step, None if self._position is None else list(self._position),
+             self._batch_ids if self._position is not None else []])
         self.phase = Phase.ACTIVE
         began = self._broken_since if self._broken_since is not None else self._loop.time()
         self._broken_since = None

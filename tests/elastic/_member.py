@@ -146,7 +146,9 @@ def main() -> int:
                     len(c.sync.donors) if c.sync else 0] for c in job.job.changes]
         np.savez(out / f"slot{slot}.final.tmp.npz", w=w, used=used,
                  changes=np.array(json.dumps(changes)), step=job.step,
-                 data_epoch=sampler.data_epoch, cursor=sampler.cursor)
+                 data_epoch=sampler.data_epoch, cursor=sampler.cursor,
+                 resumed=job.job.resumed, discarded=job.job.discarded,
+                 deferred=len(sampler.deferred))
         os.replace(out / f"slot{slot}.final.tmp.npz", out / f"slot{slot}.final.npz")
     return 0
 

@@ -96,3 +96,23 @@ def test_state_loads_in_place_and_through_callables() -> None:
     assert got["v"].tolist() == [4.0, 4.0]
     with pytest.raises(ValueError, match="either"):
         ElasticState()
+
+
+def test_handed_back_ids_come_first_and_stay_in_their_epoch() -> None:
+    sampler = ElasticSampler(num_samples=20, global_batch=6, seed=9)
+    counts = np.zeros((3, 20), dtype=np.int64)
+    rng = np.random.default_rng(1)
+    while sampler.data_epoch < 3:
+        ids = sampler.global_ids()
+        lost = ids[rng.random(len(ids)) < 0.3]  # a lost member's share, handed back
+        used = ids[~np.isin(ids, lost)]
+        np.add.at(counts[sampler.data_epoch], used, 1)
+        sampler.advance(skipped=lost)
+        if len(lost):
+            assert np.array_equal(sampler.global_ids()[:len(lost)], lost)
+        restored = ElasticSampler(20, 6, seed=9)
+        restored.load_state_array(sampler.state_array())
+        assert np.array_equal(restored.global_ids(), sampler.global_ids())
+    assert (counts == 1).all()
+    with pytest.raises(ValueError, match="belong"):
+        sampler.advance(skipped=np.array([999]))
