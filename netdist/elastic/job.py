@@ -491,7 +491,10 @@ class ElasticJob:
         else:
             self.transport = await TcpTransport.connect(base)
         self.group = Group(self.transport, timeout=self.op_timeout)
-        report = await synchronize_state(self.group, self.state, self.step)
+        def overwriting() -> None:
+            self.step = -1  # no valid state until the fetched one is verified
+
+        report = await synchronize_state(self.group, self.state, self.step, overwriting)
         if report.step != self.step:
             self.step = report.step
             self._position = None

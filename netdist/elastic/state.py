@@ -115,7 +115,8 @@ class ElasticState:
             assert self._arrays is not None
             for name, value in user.items():
                 target = _as_numpy(name, self._arrays[name])
-                np.copyto(target, value.reshape(target.shape), casting="no")
+                if value is not target:  # fetched in place: nothing to copy
+                    np.copyto(target, value.reshape(target.shape), casting="no")
         else:
             assert self._load_state_dict is not None
             self._load_state_dict(user)
