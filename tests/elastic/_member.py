@@ -70,7 +70,7 @@ def _die_hooks(slot: int) -> tuple[str, int]:
     if phase == "fetch":
         original_sync = transfer_module.synchronize_state
 
-        async def sync(group, state, at):  # type: ignore[no-untyped-def]
+        async def sync(group, state, at, *rest):  # type: ignore[no-untyped-def]
             transport = group.transport
             send = transport.send
 
@@ -81,7 +81,7 @@ def _die_hooks(slot: int) -> tuple[str, int]:
             if at >= int(step):
                 transport.send = dying_send
             try:
-                return await original_sync(group, state, at)
+                return await original_sync(group, state, at, *rest)
             finally:
                 transport.send = send
 
