@@ -111,15 +111,15 @@ def _member(plain: bool) -> int:
     if plain:
         import netdist
 
-        with netdist.connect() as job:
+        with netdist.connect() as fixed:
             while sampler.data_epoch * SAMPLES + sampler.cursor < steps * batch:
                 began = time.perf_counter()
-                ids = sampler.batch(job.rank, job.world_size)
+                ids = sampler.batch(fixed.rank, fixed.world_size)
                 count = len(sampler.global_ids())
-                total = job.group.all_reduce(compute(ids))
+                total = fixed.group.all_reduce(compute(ids))
                 apply(total, count, sampler.data_epoch)
                 sampler.advance()
-                record(sampler.data_epoch * SAMPLES + sampler.cursor, 0, job.world_size,
+                record(sampler.data_epoch * SAMPLES + sampler.cursor, 0, fixed.world_size,
                        began)
         return 0
 

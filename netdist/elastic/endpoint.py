@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +87,7 @@ class Reply:
         return None if self.kind == FrameKind.OK else str(self.fields.get("code"))
 
 
-Handler = Callable[[int, dict[str, Any]], Awaitable[Reply]]
+Handler = Callable[[int, dict[str, Any]], Coroutine[Any, Any, Reply]]
 """Answers the request of ``slot`` (fields of its HELLO)."""
 
 
@@ -159,7 +159,7 @@ class EndpointServer:
                 gone = self._gone[conn] = self._loop.create_future()
                 if conn.failed:
                     gone.set_result(None)
-                answer = self._loop.create_task(self._handler(slot, dict(frame.fields)))
+                answer: asyncio.Task[Reply] = self._loop.create_task(self._handler(slot, dict(frame.fields)))
                 await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not answer.done():
                     answer.cancel()

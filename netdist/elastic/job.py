@@ -128,6 +128,8 @@ class StepContext:
     global_count: int
     """Samples of the whole step, all members together (0 without a sampler). After a
     resumed step, only the samples of the members that contributed."""
+    started: float = 0.0
+    """Loop time at which this attempt began (the job measures whole steps)."""
     _commit: list[Callable[[], None]] = field(default_factory=list)
     _calls: int = 0
     skipped: np.ndarray | None = None
@@ -246,6 +248,9 @@ class ElasticJob:
         self._leader_transport: asyncio.Task[TcpTransport] | None = None
         self._pending: dict[int, _Arrival] = {}
         self._lost: set[int] = set()
+        """Slots this member believes gone: a hint for the leader, who need not wait."""
+        self._unreachable: set[int] = set()
+        """Candidates that did not answer during the current agreement: skipped."""
         self._joining = config.joining
         self._grow = False
         self._stale = False
@@ -309,8 +314,9 @@ class ElasticJob:
     @property
     def op_timeout(self) -> float:
         """The bound on one collective inside a step (see ``ElasticConfig``)."""
-        slowest = max(self._step_times[-20:], default=self.config.base.timeout / 3)
-        return self.config.failure_timeout + 3 * slowest
+        if not self._step_times:
+            return self.config.failure_timeout + self.config.base.timeout
+        return 2 * self.config.failure_timeout + 3 * max(self._step_times[-20:])
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -352,11 +358,10 @@ class ElasticJob:
             count = len(self.sampler.global_ids())
             batch = self.sampler.batch(self.rank, self.world_size)
             self._batch_ids = batch.tolist()
-        return StepContext(self, self.group, batch, count)
+        return StepContext(self, self.group, batch, count, started=self._loop.time())
 
     async def finish_step(self, ctx: StepContext) -> bool:
         """The vote, then the commit; False (the attempt is discarded) if the epoch broke."""
-        started = self._loop.time()
         self._position = ("vote", 0)
         while True:
             assert self.group is not None
@@ -380,7 +385,7 @@ class ElasticJob:
         self.step += 1
         if self.sampler is not None:
             self.sampler.advance(ctx.skipped)
-        self._step_times.append(self._loop.time() - started)
+        self._step_times.append(self._loop.time() - ctx.started)
         if vote[1] > 0:
             self._grow = True
             self._reason = f"{int(vote[1])} joining"
@@ -505,7 +510,6 @@ class ElasticJob:
         self.phase = Phase.ACTIVE
         began = self._broken_since if self._broken_since is not None else self._loop.time()
         self._broken_since = None
-        self._step_times.clear()
         change = EpochChange(membership.epoch, membership.slots, self._reason,
                              self._loop.time() - began, report)
         self.changes.append(change)
@@ -530,13 +534,21 @@ class ElasticJob:
                     if slot != self.slot]
         if self.membership is None:  # forming the first epoch: slot 0 leads it
             return [(0, self.config.seeds[0])]
+        # every member in order, the ones believed lost included (a refused connection
+        # costs nothing, and a member that merely aborted its transport is alive and
+        # may be the leader); only those that did not answer this agreement are skipped
         return [(slot, self.membership.endpoint_of(slot)) for slot in self.membership.slots
-                if slot not in self._lost]
+                if slot not in self._unreachable]
 
     async def _agree(self, deadline: float) -> Reply:
         pause = 0.02
         cfg = self.config
+        self._unreachable.clear()
+        no_quorum: QuorumLostError | None = None
+        probe_until = 0.0
         while True:
+            if no_quorum is not None and self._loop.time() > probe_until:
+                raise no_quorum
             redirect: str | None = None
             for slot, endpoint in self._candidates():
                 if redirect is not None:
@@ -555,6 +567,7 @@ class ElasticJob:
                             raise
                         if not self._joining and self.membership is not None:
                             self._lost.add(slot)
+                            self._unreachable.add(slot)
                         logger.info("netdist elastic: slot %d: slot %d at %s did not answer:"
                                     " %s", self.slot, slot, endpoint, _short(exc))
                         continue
@@ -565,16 +578,24 @@ class ElasticJob:
                     break
                 code = reply.code
                 if code == "no_quorum":
-                    raise QuorumLostError(
-                        f"slot {self.slot}: {reply.fields.get('reason', 'no quorum')}",
-                        tuple(reply.fields.get("members", ())))
+                    if no_quorum is None:
+                        # Before giving up, ask the rest of the job as a joiner: this
+                        # member may only have been cut off for a while (stopped) while
+                        # the others went on; it then joins them. A true minority
+                        # reaches nobody and stops.
+                        no_quorum = QuorumLostError(
+                            f"slot {self.slot}: {reply.fields.get('reason', 'no quorum')}",
+                            tuple(reply.fields.get("members", ())))
+                        probe_until = self._loop.time() + 2 * cfg.failure_timeout
+                        self._joining = True
+                    break
                 if code == "finished":
                     raise ElasticError(f"slot {self.slot}: {reply.fields.get('reason')}")
                 if code == "stale":
                     self._joining = True
                     break
                 if code == "stale_leader":
-                    self._lost.add(slot)
+                    self._unreachable.add(slot)
                     continue
                 break  # "retry": the member is itself between epochs
             if redirect is not None:
@@ -690,7 +711,12 @@ class ElasticJob:
                 formation.changed.clear()
                 remaining = formation.deadline - self._loop.time()
                 here = self.slot in formation.arrivals or formation.base is None
-                if here and (not formation.waiting_for() or remaining <= 0):
+                # decide early only with everyone expected and a majority: a wrong
+                # "lost" hint must not end an agreement that could still reach one
+                ready = not formation.waiting_for() and (
+                    formation.base is None
+                    or has_majority(formation.previous, formation.arrivals))
+                if here and (ready or remaining <= 0):
                     break
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(max(remaining, 0.05) if here else None):
@@ -814,7 +840,12 @@ def _lost_peer(exc: BaseException) -> int | None:
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, PeerLostError):
-            return current.origin_rank
+            # a rank that aborted its transport or closed it is alive (it failed its
+            # epoch, or left after a commit): only a silent or vanished one is lost
+            reason = current.origin_reason
+            alive = (reason.startswith(f"rank {current.origin_rank} aborted")
+                     or "closed its transport" in reason)
+            return None if alive else current.origin_rank
         if isinstance(current, BaseExceptionGroup):
             for inner in current.exceptions:
                 found = _lost_peer(inner)
@@ -830,7 +861,8 @@ def _short(exc: BaseException) -> str:
 
 
 def _log_failure(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("netdist elastic: agreement failed: %s", _short(task.exception()))
+    error = None if task.cancelled() else task.exception()
+    if error is not None:
+        logger.error("netdist elastic: agreement failed: %s", _short(error))
 
 

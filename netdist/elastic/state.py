@@ -73,7 +73,7 @@ def state_digest(arrays: Mapping[str, np.ndarray], step: int) -> str:
     digest = hashlib.blake2b(digest_size=16)
     digest.update(repr((step, [entry.to_list() for entry in layout_of(arrays)])).encode())
     for array in arrays.values():
-        digest.update(memoryview(array.reshape(-1).view(np.uint8)))
+        digest.update(array.reshape(-1).view(np.uint8).data)
     return digest.hexdigest()
 
 
@@ -102,7 +102,11 @@ class ElasticState:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The current state as NumPy arrays (views where possible), in layout order."""
-        source = self._arrays if self._state_dict is None else self._state_dict()
+        if self._state_dict is not None:
+            source: Mapping[str, Any] = self._state_dict()
+        else:
+            assert self._arrays is not None
+            source = self._arrays
         out = {name: _as_numpy(name, value) for name, value in source.items()}
         for name, (get, _) in self._extra.items():
             out[name] = np.ascontiguousarray(get())

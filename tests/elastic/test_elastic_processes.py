@@ -158,20 +158,24 @@ def test_replacement_with_a_wrong_token_is_refused(cluster_factory) -> None:
     assert_in_step(cluster, [0, 1], 60)
 
 
-def test_stopped_member_is_dropped_then_rejoins_when_it_resumes(cluster_factory) -> None:
+@pytest.mark.parametrize("stopped", [2, 0])  # 0: the leader, which then leads nobody
+def test_stopped_member_is_dropped_then_rejoins_when_it_resumes(cluster_factory,
+                                                                stopped: int) -> None:
     cluster = cluster_factory(4, steps=90, env={"ELASTIC_TEST_UNTIL_WORLD": "4"})
     cluster.start_all()
-    cluster.wait_step(2, 5)
-    cluster.procs[2].send_signal(signal.SIGSTOP)
-    before = cluster.wait_until("progress", lambda: cluster.progress(0))
+    cluster.wait_step(stopped, 5)
+    cluster.procs[stopped].send_signal(signal.SIGSTOP)
+    other = (stopped + 1) % 4
+    before = cluster.wait_until("progress", lambda: cluster.progress(other))
     # detected by silence (NETDIST_ELASTIC_TIMEOUT=3 s): the others go on without it
     cluster.wait_until("three members", lambda: (
-        (p := cluster.progress(0)) is not None and p["world_size"] == 3
+        (p := cluster.progress(other)) is not None and p["world_size"] == 3
         and p["step"] > before["step"] and p))
-    cluster.procs[2].send_signal(signal.SIGCONT)
-    # it finds its epoch gone, asks in as a joiner and fetches the state it missed
+    cluster.procs[stopped].send_signal(signal.SIGCONT)
+    # it finds its epoch gone (a stopped leader finds no majority behind it), asks in
+    # as a joiner and fetches the state it missed
     cluster.wait_until("four members again", lambda: (
-        (p := cluster.progress(2)) is not None and p["world_size"] == 4
+        (p := cluster.progress(stopped)) is not None and p["world_size"] == 4
         and p["epoch"] > 2 and p))
     assert cluster.wait_all() == {0: 0, 1: 0, 2: 0, 3: 0}
     assert_in_step(cluster, [0, 1, 2, 3], 90)
