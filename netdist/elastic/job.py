@@ -130,6 +130,8 @@ class StepContext:
     resumed step, only the samples of the members that contributed."""
     started: float = 0.0
     """Loop time at which this attempt began (the job measures whole steps)."""
+    prepared_in: int = 0
+    """The epoch whose membership split the samples of this attempt."""
     _commit: list[Callable[[], None]] = field(default_factory=list)
     _calls: int = 0
     skipped: np.ndarray | None = None
@@ -168,7 +170,7 @@ class StepContext:
         job = self.job
         call = self._calls
         self._calls += 1
-        job._position = ("reduce", call)
+        job._position = ("reduce", call, self.prepared_in)
         backup = np.array(array, copy=True) if call == 0 and isinstance(array, np.ndarray) \
             else None
         while True:
@@ -179,7 +181,7 @@ class StepContext:
                     raise
                 await job.epoch_failed(exc)
                 await job._ensure_active()
-                if backup is None or not job._resume(self, ("reduce", call)):
+                if backup is None or not job._resume(self, ("reduce", call, self.prepared_in)):
                     raise StepDiscarded(f"step {job.step} is run again in epoch {job.epoch}"
                                         ) from exc
                 np.copyto(array, backup)
@@ -211,6 +213,7 @@ class _Formation:
         self.arrivals: dict[int, _Arrival] = {}
         self.joiners: dict[int, _Arrival] = {}
         self.changed = asyncio.Event()
+        self.extended = False
 
     def waiting_for(self) -> set[int]:
         return self.expected - self.lost - set(self.arrivals)
@@ -247,6 +250,8 @@ class ElasticJob:
         self._formation: _Formation | None = None
         self._leader_transport: asyncio.Task[TcpTransport] | None = None
         self._pending: dict[int, _Arrival] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        """Epoch transports still closing (``_close_in_background``)."""
         self._lost: set[int] = set()
         """Slots this member believes gone: a hint for the leader, who need not wait."""
         self._unreachable: set[int] = set()
@@ -257,8 +262,11 @@ class ElasticJob:
         self._broken_since: float | None = None
         self._reason = "start"
         self._step_times: list[float] = []
-        self._position: tuple[str, int] | None = None
-        """Where this member is in its step: ("reduce", k) in collective k, ("vote", 0)."""
+        self._why = "start"
+        """Why this member asks for an agreement: "failure" or "grow" (or "start")."""
+        self._position: tuple[str, int, int] | None = None
+        """Where this member is in its step: ("reduce", k, e) in collective k of a step
+        prepared in epoch e (whose split of the samples it computed), ("vote", 0, e)."""
         self._batch_ids: list[int] = []
         self._positions: list[Any] = []
 
@@ -358,11 +366,12 @@ class ElasticJob:
             count = len(self.sampler.global_ids())
             batch = self.sampler.batch(self.rank, self.world_size)
             self._batch_ids = batch.tolist()
-        return StepContext(self, self.group, batch, count, started=self._loop.time())
+        return StepContext(self, self.group, batch, count, started=self._loop.time(),
+                           prepared_in=self.epoch)
 
     async def finish_step(self, ctx: StepContext) -> bool:
         """The vote, then the commit; False (the attempt is discarded) if the epoch broke."""
-        self._position = ("vote", 0)
+        self._position = ("vote", 0, ctx.prepared_in)
         while True:
             assert self.group is not None
             waiting = float(len(self._pending)) if self._leads() else 0.0
@@ -377,7 +386,7 @@ class ElasticJob:
                 await self._ensure_active()
                 # every survivor was voting: each one's collectives of the step completed
                 # with every member's share, so the step commits in the new epoch
-                if not self._resume(ctx, ("vote", 0)):
+                if not self._resume(ctx, ("vote", 0, ctx.prepared_in)):
                     return False
         self._position = None
         for action in ctx._commit:
@@ -395,6 +404,7 @@ class ElasticJob:
         """The epoch is broken (``exc`` says how): abort its transport (which wakes every
         other member) and note whom to skip when asking for the next agreement."""
         self.discarded += 1
+        self._why = "failure"
         if self._broken_since is None:
             self._broken_since = self._loop.time()
         lost = _lost_peer(exc)
@@ -405,11 +415,12 @@ class ElasticJob:
                        _short(exc))
         await self._drop_epoch(exc)
 
-    def _resume(self, ctx: StepContext, position: tuple[str, int]) -> bool:
+    def _resume(self, ctx: StepContext, position: tuple[str, int, int]) -> bool:
         """Whether the interrupted step goes on in the new epoch (see ``all_reduce``).
 
         Only if every member of the new epoch was at the same step and the same point
-        of it: all waiting in the step's first collective (their computations stand;
+        of it, having prepared the step in the same epoch (so their shares of the
+        samples are one split: disjoint): all waiting in the step's first collective (their computations stand;
         the lost members' shares are handed back to the sampler), or all voting.
         """
         wanted = [self.step, list(position)]
@@ -429,20 +440,41 @@ class ElasticJob:
 
     # -- epochs --------------------------------------------------------------------------
 
+    async def _abort_epoch(self, why: str) -> None:
+        """From the endpoint: fail the epoch's transport, so the training loop's waits end
+        now; the loop then drops the epoch itself (``epoch_failed``)."""
+        if self.transport is not None:
+            self._close_in_background(self.transport, why)
+
+    def _close_in_background(self, transport: TcpTransport,
+                             why: BaseException | str | None,
+                             group: Group | None = None) -> None:
+        """Close ``group`` (its shared memory) and ``transport`` without waiting: the
+        transport's waits fail at once, and what it still had to deliver to a silent
+        peer must not hold up the next agreement (a close waits up to a liveness window
+        for that); ``aclose`` collects the task."""
+
+        async def close() -> None:
+            if group is not None:
+                with contextlib.suppress(Exception):
+                    await group.aclose()
+            if why is None:
+                await transport.aclose()
+            else:
+                await transport.abort(why)
+
+        closing = self._loop.create_task(close())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+        closing.add_done_callback(lambda task: task.cancelled() or task.exception())
+
     async def _drop_epoch(self, why: BaseException | str | None) -> None:
         transport, group = self.transport, self.group
         self.transport = self.group = None
         if self.phase is Phase.ACTIVE:
             self.phase = Phase.REFORMING
-        if group is not None:
-            with contextlib.suppress(Exception):
-                await group.aclose()
         if transport is not None:
-            with contextlib.suppress(Exception):
-                if why is None:
-                    await transport.aclose()
-                else:
-                    await transport.abort(why)
+            self._close_in_background(transport, why, group)
 
     async def _ensure_active(self) -> None:
         if self.phase is Phase.CLOSED:
@@ -451,6 +483,7 @@ class ElasticJob:
             if self._broken_since is None:
                 self._broken_since = self._loop.time()
             grow, self._grow = self._grow, False
+            self._why = "grow" if grow and not self._stale else "failure"
             if self._stale:
                 self._joining = True
             await self._drop_epoch(None if grow and not self._stale else "left the epoch")
@@ -524,7 +557,7 @@ class ElasticJob:
             kind = "join"
         else:
             kind = "reform"
-        return {"kind": kind, "slot": self.slot, "epoch": self.epoch,
+        return {"kind": kind, "slot": self.slot, "epoch": self.epoch, "why": self._why,
                 "lost": sorted(self._lost), "step": self.step,
                 "endpoint": self._endpoint.address if self._endpoint else self.config.endpoint}
 
@@ -577,6 +610,8 @@ class ElasticJob:
                     redirect = str(reply.fields["endpoint"])
                     break
                 code = reply.code
+                logger.info("netdist elastic: slot %d: slot %d answered %s: %s", self.slot,
+                            slot, code, reply.fields.get("reason"))
                 if code == "no_quorum":
                     if no_quorum is None:
                         # Before giving up, ask the rest of the job as a joiner: this
@@ -594,7 +629,7 @@ class ElasticJob:
                 if code == "stale":
                     self._joining = True
                     break
-                if code == "stale_leader":
+                if code in ("stale_leader", "joining"):
                     self._unreachable.add(slot)
                     continue
                 break  # "retry": the member is itself between epochs
@@ -617,7 +652,7 @@ class ElasticJob:
 
     async def _arrive_locally(self, request: dict[str, Any]) -> Reply:
         if self._formation is None:
-            self._begin_formation()
+            self._begin_formation(str(request.get("why")))
         return await self._arrive(self.slot, request)
 
     # -- leading an agreement ------------------------------------------------------------
@@ -625,18 +660,35 @@ class ElasticJob:
     def _leads(self) -> bool:
         return self.membership is not None and self.membership.leader == self.slot
 
-    def _begin_formation(self) -> _Formation:
+    def _begin_formation(self, why: str) -> _Formation:
         assert self.membership is not None
         base = self.membership
         formation = _Formation(base, set(base.slots) - self._lost,
-                               self._loop.time() + self.config.failure_timeout, ())
+                               self._loop.time() + 1.5 * self.config.failure_timeout, ())
         formation.lost |= self._lost
         self._formation = formation
         for slot, arrival in self._pending.items():
             formation.joiners[slot] = arrival
         self._pending.clear()
         self._spawn_lead(formation)
+        if why == "failure":
+            # A member blocked on a silent peer would notice only when its own liveness
+            # window ends (up to a window later than the first to notice): tell every
+            # member that the epoch is over, so its waits fail now and it comes here.
+            for slot in base.slots:
+                if slot != self.slot and slot not in self._lost:
+                    task = self._loop.create_task(self._abandon(base, slot))
+                    task.add_done_callback(_log_failure)
         return formation
+
+    async def _abandon(self, base: Membership, slot: int) -> None:
+        """Tell member ``slot`` that epoch ``base.epoch`` is over (best effort)."""
+        fields = {"kind": "abandon", "slot": self.slot, "epoch": base.epoch, "why": "failure",
+                  "lost": [], "step": self.step, "endpoint": self.config.endpoint}
+        with contextlib.suppress(TransportError, NetdistTimeoutError):
+            await ask(base.endpoint_of(slot), self._identity, fields,
+                      handshake_timeout=self.config.handshake_timeout,
+                      reply_timeout=self.config.handshake_timeout)
 
     def _spawn_lead(self, formation: _Formation) -> None:
         task = self._loop.create_task(self._lead(formation))
@@ -650,6 +702,14 @@ class ElasticJob:
             str(fields["endpoint"])
         except (KeyError, TypeError, ValueError):
             return _error("bad_request", "malformed request")
+        if kind == "abandon":
+            if (self.phase is Phase.ACTIVE and self.membership is not None
+                    and self.membership.epoch == req_epoch and self._formation is None):
+                if self._broken_since is None:
+                    self._broken_since = self._loop.time()
+                self._why = "failure"
+                await self._abort_epoch(f"slot {slot} leads the agreement after a failure")
+            return Reply(FrameKind.OK, {"op": "abandoned"})
         formation = self._formation
         if formation is not None:
             if req_epoch > formation.base_epoch:
@@ -660,7 +720,7 @@ class ElasticJob:
             mine = self.membership.epoch
             if req_epoch > mine:
                 self._stale = True
-                await self._drop_epoch(f"slot {slot} is at a newer epoch")
+                await self._abort_epoch(f"slot {slot} is at a newer epoch")
                 return _error("stale_leader", f"slot {self.slot} is behind (epoch {mine})")
             if kind == "join" or req_epoch < mine or slot not in self.membership.slots:
                 if not self._leads():
@@ -682,8 +742,14 @@ class ElasticJob:
             self._lost.update(int(s) for s in fields.get("lost", ()))
             if self._broken_since is None:
                 self._broken_since = self._loop.time()
-            self._begin_formation()
+            self._begin_formation(str(fields.get("why")))
             return await self._arrive(slot, fields)
+        if self._joining or self.membership is None:
+            # a restarted process at a member's old slot: not a member, cannot lead
+            return _error("joining", f"slot {self.slot} is joining, not a member")
+        if req_epoch > self.membership.epoch:
+            return _error("stale_leader", f"slot {self.slot} is behind (epoch "
+                          f"{self.membership.epoch})")
         return _error("retry", f"slot {self.slot} is between epochs")
 
     async def _arrive(self, slot: int, fields: dict[str, Any]) -> Reply:
@@ -716,6 +782,13 @@ class ElasticJob:
                 ready = not formation.waiting_for() and (
                     formation.base is None
                     or has_majority(formation.previous, formation.arrivals))
+                if here and remaining <= 0 and not ready and formation.waiting_for() \
+                        and not formation.extended and formation.base is not None:
+                    # no majority yet, but members not known lost may still come (one
+                    # that waited on a silent peer notices up to a window later)
+                    formation.extended = True
+                    formation.deadline += self.config.failure_timeout
+                    continue
                 if here and (ready or remaining <= 0):
                     break
                 with contextlib.suppress(TimeoutError):
@@ -827,6 +900,8 @@ class ElasticJob:
                 await transport.aclose()
         if self._endpoint is not None:
             await self._endpoint.aclose()
+        if self._closing:
+            await asyncio.wait(set(self._closing), timeout=2 * self.config.failure_timeout)
 
 
 def _error(code: str, reason: str) -> Reply:

@@ -41,7 +41,7 @@ def test_partition_majority_carries_on_minority_stops(tmp_path: Path) -> None:
                            NETDIST_ELASTIC_SEEDS=seeds, NETDIST_ELASTIC_TIMEOUT="2",
                            NETDIST_TIMEOUT="60", ELASTIC_TEST_DIR=str(tmp_path),
                            ELASTIC_TEST_STEPS="80", ELASTIC_TEST_STEP_SECONDS="0.03",
-                           PYTHONPATH=str(ROOT))
+                           PYTHONPATH=str(ROOT), ELASTIC_TEST_LOG="1")
             log = tmp_path / f"slot{slot}.0.log"
             view.logs.append(log)
             with open(log, "wb") as sink:
