@@ -13,24 +13,27 @@ its own authenticated transport and group among its members; a step is a transac
 
 When a member is lost (killed, stopped, cut off) the survivors' collectives fail
 (``PeerLostError`` from the transport: at once for a killed process, within
-``failure_timeout`` for a silent one); each survivor aborts the epoch's transport, which
-wakes every other member at once, and asks the first member of the epoch that answers
-(in rank order, skipping the lost) to lead the agreement on the next epoch. The leader
-waits for every member not known lost (at most ``failure_timeout``), requires a strict
-majority of the old membership (``QuorumLostError`` on a minority side), numbers the new
-epoch, hosts its rendezvous and answers everyone with the same membership. No process is
-special: when the first member is the one lost, the next one leads.
+``failure_timeout`` for a silent one). Each survivor aborts the epoch's transport and
+asks the members of the epoch, in rank order, for the agreement on the next epoch; the
+first that answers as a member leads it. The leader tells every member that the epoch
+is over (so none waits out its own liveness window), waits for the members not known
+lost (bounded by ``failure_timeout``), requires a strict majority of the old membership
+(``QuorumLostError`` on a minority side), numbers the new epoch, hosts its rendezvous
+and answers everyone with the same membership. No process is special: when the first
+member is the one lost, the next one leads.
 
-A step either committed on every member or on none, up to one case: the vote completed on
-some members and failed on others (a member lost during the vote itself). The next
-epoch resolves it: the members compare their committed step and state hash
-(``netdist.elastic.transfer``), the newest step wins, and members behind fetch its state
-from the members holding it, so every member starts the next step from the same bits.
+The interrupted step goes on in the new epoch when every survivor was at the same point
+of it (all in its first collective, having prepared it in the same epoch: they finish
+that collective without the lost member's share, whose samples go back to the sampler;
+or all voting: the step commits); otherwise it runs again. When a vote completed on
+some members and failed on others, the next epoch resolves it: the members compare their
+committed step (``netdist.elastic.transfer``), the newest wins, and members behind fetch
+its state, so every member starts the next step from the same bits.
 
 A new or restarted process (``ElasticConfig.joining``) asks any seed endpoint, is
 redirected to the leader, and is admitted at the next step boundary: the leader's vote
 tells every member that someone waits, so they all form the next epoch after committing,
-and the joiner fetches the state from all of them at once.
+and the joiner fetches the state from two members at once, verified by their hash.
 """
 
 from __future__ import annotations
