@@ -36,14 +36,14 @@ DEFAULT_FAILURE_TIMEOUT = 5.0
 class ElasticConfig:
     """One process of an elastic job (see the module docstring).
 
-    ``failure_timeout`` (seconds) is the one knob. Everything else follows from it and
-    from what the job measures: a silent member is declared lost after it (heartbeats
-    every fifth of it); the agreement on a new membership waits at most that long for
-    survivors that have not arrived; a member that does not answer its endpoint's
-    handshake within half of it is skipped; an epoch's rendezvous is bounded by twice it;
-    a collective inside a step may wait ``failure_timeout`` plus three times the slowest
-    step of the epoch (so a slow but live member is never mistaken for a lost one).
-    A SIGKILLed member is noticed at once (its connections reset) whatever the knob.
+    ``failure_timeout`` (T, seconds) is the one knob. Everything else follows from it and
+    from what the job measures: a silent member is declared lost after T (heartbeats
+    every T/5); a member that does not answer its endpoint's handshake within T/2 is
+    skipped; the leader of an agreement waits at most 1.5 T for survivors that have not
+    arrived (one T more while it has no majority yet); an epoch's rendezvous is bounded
+    by 2 T; a collective inside a step may wait 2 T plus three times the slowest recent
+    whole step (so a slow but live member is never mistaken for a lost one). A SIGKILLed
+    member is noticed at once (its connections reset) whatever the knob.
     """
 
     base: DistributedConfig
