@@ -157,8 +157,15 @@ def test_lost_worker_never_stops_the_others(tmp_path: Path, how: signal.Signals,
             assert result["versions"] == [steps]
         return
     applied = [(0, t) for t in range(lost_at)] + [(w, t) for w in (1, 2) for t in range(steps)]
-    # the worker whose push made the last update saw the final parameters
+    # The worker that saw the newest version saw every acknowledged update: both of the
+    # lost worker's and all the survivors' but, in the asynchronous mode, possibly the
+    # other survivor's last push, which may still be in flight when this pull is served
+    # (on a loaded machine). The sums are exact, so a lost or doubled update shows.
     last = max(done.values(), key=lambda r: r["versions"])
+    allowed = {digest(dyadic_result(applied, workers)): len(applied)}
+    for w in (1, 2):
+        allowed[digest(dyadic_result([u for u in applied if u != (w, steps - 1)],
+                                     workers))] = len(applied) - 1
+    assert last["digest"] in allowed, last
     if max_staleness == "none":  # one update per push (bounded staleness may batch them)
-        assert last["versions"] == [len(applied)]
-    assert last["digest"] == digest(dyadic_result(applied, workers))
+        assert last["versions"] == [allowed[last["digest"]]]
