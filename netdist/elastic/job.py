@@ -313,14 +313,25 @@ class ElasticJob:
     @property
     def rank(self) -> int:
         """This member's rank in the current epoch."""
-        assert self.membership is not None
-        return self.membership.rank_of(self.slot)
+        return self._member_of().rank_of(self.slot)
 
     @property
     def world_size(self) -> int:
         """Members in the current epoch."""
-        assert self.membership is not None
-        return self.membership.size
+        return self._member_of().size
+
+    def _member_of(self) -> Membership:
+        """The current membership (``ElasticError`` before the first one)."""
+        if self.membership is None:
+            raise ElasticError(f"slot {self.slot} is not a member of an epoch yet")
+        return self.membership
+
+    def _active_group(self) -> Group:
+        """The current epoch's group (``ElasticError`` between epochs)."""
+        if self.group is None:
+            raise ElasticError(f"slot {self.slot} is between epochs (epoch {self.epoch} "
+                               "ended)")
+        return self.group
 
     @property
     def op_timeout(self) -> float:
@@ -362,24 +373,23 @@ class ElasticJob:
         self._position = None
         self._batch_ids = []
         await self._ensure_active()
-        assert self.group is not None and self.membership is not None
+        group = self._active_group()
         batch = None
         count = 0
         if self.sampler is not None:
             count = len(self.sampler.global_ids())
             batch = self.sampler.batch(self.rank, self.world_size)
             self._batch_ids = batch.tolist()
-        return StepContext(self, self.group, batch, count, started=self._loop.time(),
+        return StepContext(self, group, batch, count, started=self._loop.time(),
                            prepared_in=self.epoch)
 
     async def finish_step(self, ctx: StepContext) -> bool:
         """The vote, then the commit; False (the attempt is discarded) if the epoch broke."""
         self._position = ("vote", 0, ctx.prepared_in)
         while True:
-            assert self.group is not None
             waiting = float(len(self._pending)) if self._leads() else 0.0
             try:
-                vote = await self.group.all_reduce(np.array([1.0, waiting]),
+                vote = await self._active_group().all_reduce(np.array([1.0, waiting]),
                                                    timeout=self.op_timeout)
                 break
             except MEMBERSHIP_ERRORS as exc:
@@ -429,8 +439,7 @@ class ElasticJob:
         wanted = [self.step, list(position)]
         if not self._positions or any(info[:2] != wanted for info in self._positions):
             return False
-        assert self.group is not None
-        ctx.group = self.group
+        ctx.group = self._active_group()
         if position[0] == "reduce":
             if position[1] != 0 or self.sampler is None:
                 return position[1] == 0 and self.sampler is None
@@ -654,9 +663,8 @@ class ElasticJob:
             pause = min(pause * 2, 0.5)
 
     async def _arrive_locally(self, request: dict[str, Any]) -> Reply:
-        if self._formation is None:
-            self._begin_formation(str(request.get("why")))
-        return await self._arrive(self.slot, request)
+        formation = self._formation or self._begin_formation(str(request.get("why")))
+        return await self._arrive(formation, self.slot, request)
 
     # -- leading an agreement ------------------------------------------------------------
 
@@ -664,8 +672,7 @@ class ElasticJob:
         return self.membership is not None and self.membership.leader == self.slot
 
     def _begin_formation(self, why: str) -> _Formation:
-        assert self.membership is not None
-        base = self.membership
+        base = self._member_of()
         formation = _Formation(base, set(base.slots) - self._lost,
                                self._loop.time() + 1.5 * self.config.failure_timeout, ())
         formation.lost |= self._lost
@@ -718,7 +725,7 @@ class ElasticJob:
             if req_epoch > formation.base_epoch:
                 return _error("stale_leader", f"slot {self.slot} is at epoch "
                               f"{formation.base_epoch}, behind epoch {req_epoch}")
-            return await self._arrive(slot, fields)
+            return await self._arrive(formation, slot, fields)
         if self.phase is Phase.ACTIVE and self.membership is not None:
             mine = self.membership.epoch
             if req_epoch > mine:
@@ -745,8 +752,8 @@ class ElasticJob:
             self._lost.update(int(s) for s in fields.get("lost", ()))
             if self._broken_since is None:
                 self._broken_since = self._loop.time()
-            self._begin_formation(str(fields.get("why")))
-            return await self._arrive(slot, fields)
+            formation = self._begin_formation(str(fields.get("why")))
+            return await self._arrive(formation, slot, fields)
         if self._joining or self.membership is None:
             # a restarted process at a member's old slot: not a member, cannot lead
             return _error("joining", f"slot {self.slot} is joining, not a member")
@@ -755,9 +762,8 @@ class ElasticJob:
                           f"{self.membership.epoch})")
         return _error("retry", f"slot {self.slot} is between epochs")
 
-    async def _arrive(self, slot: int, fields: dict[str, Any]) -> Reply:
-        formation = self._formation
-        assert formation is not None
+    async def _arrive(self, formation: _Formation, slot: int,
+                      fields: dict[str, Any]) -> Reply:
         arrival = _Arrival(slot, str(fields["endpoint"]), int(fields["epoch"]),
                            self._loop.create_future())
         member = (fields.get("kind") != "join" and slot in formation.previous

@@ -77,6 +77,18 @@ def state_digest(arrays: Mapping[str, np.ndarray], step: int) -> str:
     return digest.hexdigest()
 
 
+def _copy_into(held: dict[str, Any]) -> LoadStateDict:
+    """A ``load_state_dict`` that copies fetched arrays into ``held``'s arrays."""
+
+    def load(fetched: Mapping[str, np.ndarray]) -> None:
+        for name, value in fetched.items():
+            target = _as_numpy(name, held[name])
+            if value is not target:  # fetched in place: nothing to copy
+                np.copyto(target, value.reshape(target.shape), casting="no")
+
+    return load
+
+
 class ElasticState:
     """The state kept in step across members (see the module docstring)."""
 
@@ -87,9 +99,13 @@ class ElasticState:
             raise ValueError("give either arrays or state_dict (with load_state_dict)")
         if (state_dict is None) != (load_state_dict is None):
             raise ValueError("state_dict and load_state_dict go together")
-        self._arrays = None if arrays is None else dict(arrays)
-        self._state_dict = state_dict
-        self._load_state_dict = load_state_dict
+        self._state_dict: StateDict
+        self._load_state_dict: LoadStateDict
+        if arrays is not None:  # arrays updated in place: read them, copy into them
+            held = dict(arrays)
+            self._state_dict, self._load_state_dict = (lambda: held), _copy_into(held)
+        elif state_dict is not None and load_state_dict is not None:
+            self._state_dict, self._load_state_dict = state_dict, load_state_dict
         self._extra: dict[str, tuple[Callable[[], np.ndarray], Callable[[np.ndarray], None]]] = {}
 
     def add(self, name: str, get: Callable[[], np.ndarray],
@@ -102,27 +118,14 @@ class ElasticState:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The current state as NumPy arrays (views where possible), in layout order."""
-        if self._state_dict is not None:
-            source: Mapping[str, Any] = self._state_dict()
-        else:
-            assert self._arrays is not None
-            source = self._arrays
-        out = {name: _as_numpy(name, value) for name, value in source.items()}
+        out = {name: _as_numpy(name, value) for name, value in self._state_dict().items()}
         for name, (get, _) in self._extra.items():
             out[name] = np.ascontiguousarray(get())
         return out
 
     def load(self, fetched: Mapping[str, np.ndarray]) -> None:
         """Take ``fetched`` (same layout as ``arrays()``) as the state."""
-        user = {name: a for name, a in fetched.items() if name not in self._extra}
-        if self._state_dict is None:
-            assert self._arrays is not None
-            for name, value in user.items():
-                target = _as_numpy(name, self._arrays[name])
-                if value is not target:  # fetched in place: nothing to copy
-                    np.copyto(target, value.reshape(target.shape), casting="no")
-        else:
-            assert self._load_state_dict is not None
-            self._load_state_dict(user)
+        self._load_state_dict({name: a for name, a in fetched.items()
+                               if name not in self._extra})
         for name, (_, load) in self._extra.items():
             load(fetched[name])
