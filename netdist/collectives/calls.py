@@ -25,6 +25,7 @@ from netdist.errors import (
     PeerLostError,
     TransportClosedError,
 )
+from netdist.trace.recorder import OpState
 from netdist.transport.base import Transport
 
 __all__ = ["Calls"]
@@ -43,6 +44,7 @@ class Calls:
         self._where = where
         """The group, as error messages name it."""
         self._tasks: set[asyncio.Future[Any]] = set()
+        self._recorder = transport.recorder
 
     def cancel(self) -> list[asyncio.Future[Any]]:
         """Cancel every running task; the tasks, to await."""
@@ -65,9 +67,26 @@ class Calls:
             task.exception()  # retrieved: the Work handle re-raises it when awaited
 
     async def run(self, chan: Channel, body: Callable[[Channel], Awaitable[T]],
-                   running: asyncio.Event | None = None) -> T:
+                  running: asyncio.Event | None = None) -> T:
         """Run one collective under its deadline, adding context to transport errors;
-        ``running`` is set as the body starts (``Work.started``)."""
+        ``running`` is set as the body starts (``Work.started``). The call's flight record
+        is closed with how it ended; a lost peer or an expired deadline dumps the flight
+        recorder (``Recorder.failed``)."""
+        record = chan.record
+        try:
+            result = await self._run(chan, body, running)
+        except BaseException as exc:
+            if record is not None:
+                self._recorder.end(record, _state_of(exc), chan.waited_for)
+            if isinstance(exc, (PeerLostError, NetdistTimeoutError)):
+                self._recorder.failed(exc)
+            raise
+        if record is not None:
+            self._recorder.end(record, OpState.OK, chan.waited_for)
+        return result
+
+    async def _run(self, chan: Channel, body: Callable[[Channel], Awaitable[T]],
+                   running: asyncio.Event | None) -> T:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
@@ -116,3 +135,8 @@ class Calls:
         if transport_rank in self._ranks:
             return f"group rank {self._ranks.index(transport_rank)} (transport rank {transport_rank})"
         return f"transport rank {transport_rank}"
+
+
+def _state_of(error: BaseException) -> str:
+    """How a call that raised ``error`` ended, as its flight record says."""
+    return OpState.CANCELLED if isinstance(error, asyncio.CancelledError) else OpState.ERROR

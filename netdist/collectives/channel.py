@@ -65,7 +65,7 @@ class Channel:
     """Send and receive for one collective call, in group ranks, on one tag."""
 
     __slots__ = ("transport", "ranks", "rank", "tag", "timeout", "op", "waiting_on",
-                 "_plans", "_scratch")
+                 "record", "_plans", "_scratch")
 
     def __init__(self, transport: Transport, ranks: tuple[int, ...], rank: int, tag: int,
                  timeout: float, op: str,
@@ -81,6 +81,9 @@ class Channel:
         self.op = op
         self.waiting_on = -1
         """Group rank this operation last waited to hear from (-1: none yet)."""
+        self.record: list[Any] | None = None
+        """The call's flight record (``netdist.trace.Recorder.begin``); ``None`` for a
+        channel that is one phase of a call, or a point-to-point call."""
         self._plans = {} if plans is None else plans
         self._scratch = ScratchPool(keep=0) if scratch is None else scratch
 
@@ -113,6 +116,11 @@ class Channel:
     @property
     def world_size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def waited_for(self) -> int:
+        """The transport rank this operation last waited to hear from (-1: none)."""
+        return -1 if self.waiting_on < 0 else self.ranks[self.waiting_on]
 
     async def send(self, peer: int, data: Any, sub: int = 0) -> None:
         """Send ``data`` to group rank ``peer`` on sub-tag ``sub`` of this operation."""

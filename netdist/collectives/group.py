@@ -138,6 +138,7 @@ class Group:
         self._seq = self._children = 0
         self._plans: dict[tuple[Any, ...], Any] = {}
         self._scratch = ScratchPool()
+        self._recorder = transport.recorder
         self._calls = Calls(transport, ranks, self._describe())
         self._subgroups: list[Group] = []
         self._closed = False
@@ -297,19 +298,24 @@ class Group:
         if self._closed:
             raise CollectiveError(f"{op}: {self._describe()} is closed")
 
-    def _channel(self, op: str, timeout: float | None) -> Channel:
-        """The channel of the next collective call: it takes the next tag, in issue order."""
+    def _channel(self, op: str, timeout: float | None, nbytes: int = 0) -> Channel:
+        """The channel of the next collective call: it takes the next tag, in issue order,
+        and the call's flight record (``nbytes``: its payload, 0 where unknown)."""
         deadline = timeout_value(timeout, "timeout")
-        tag = self._tag_base | (self._seq << SEQ_SHIFT)
-        self._seq = (self._seq + 1) & SEQ_MASK
-        return Channel(self._transport, self._ranks, self._rank, tag,
+        seq = self._seq
+        tag = self._tag_base | (seq << SEQ_SHIFT)
+        self._seq = (seq + 1) & SEQ_MASK
+        chan = Channel(self._transport, self._ranks, self._rank, tag,
                        self._timeout if deadline is None else deadline, op, self._plans,
                        self._scratch)
+        chan.record = self._recorder.begin(self._gid, self._ranks, seq, op, self._rank,
+                                           nbytes, self._ops.take_planned())
+        return chan
 
     async def _submit(self, op: str, body: Callable[[Channel], Awaitable[T]],
-                      timeout: float | None, async_op: bool) -> T | Work:
+                      timeout: float | None, async_op: bool, nbytes: int = 0) -> T | Work:
         """Allocate the next tag now (issue order), then run ``body`` or hand out a Work."""
-        chan = self._channel(op, timeout)
+        chan = self._channel(op, timeout, nbytes)
         if not async_op:
             return await self._calls.run(chan, body)
         return self._calls.launch(chan, body)
@@ -366,7 +372,7 @@ class Group:
         Every rank must pass the same shape and dtype."""
         self._check_member("all_reduce")
         body = _all_reduce.prepare_all_reduce(self._ops, array, op)
-        return await self._submit("all_reduce", body, timeout, async_op)
+        return await self._submit("all_reduce", body, timeout, async_op, _nbytes(array))
 
     def all_reduce_eager(self, array: Any, op: Op = ReduceOp.SUM, *,
                          timeout: float | None = None,
@@ -379,10 +385,13 @@ class Group:
         if async_op or self._closed or self._rank < 0:
             return None
         started = _all_reduce.start_eagerly(self._ops, array, op,
-                                            lambda: self._channel("all_reduce", timeout))
+                                            lambda: self._channel("all_reduce", timeout,
+                                                                  _nbytes(array)))
         if started is None:
             return None
         result, rest, chan = started
+        if rest is None and chan.record is not None:
+            self._recorder.end(chan.record, "ok")
         return EagerStart(result, None if rest is None else self._calls.run(chan, rest))
 
     @overload
@@ -409,7 +418,7 @@ class Group:
         """
         self._check_member("reduce_scatter")
         body = scatter_gather.prepare_reduce_scatter(self._ops, array, op, out)
-        return await self._submit("reduce_scatter", body, timeout, async_op)
+        return await self._submit("reduce_scatter", body, timeout, async_op, _nbytes(array))
 
     @overload
     async def all_gather(self, shard: ArrayT, *, out: ArrayT | None = None,
@@ -436,7 +445,7 @@ class Group:
         """
         self._check_member("all_gather")
         body = scatter_gather.prepare_all_gather(self._ops, shard, out)
-        return await self._submit("all_gather", body, timeout, async_op)
+        return await self._submit("all_gather", body, timeout, async_op, _nbytes(shard))
 
     @overload
     async def broadcast(self, array: ArrayT, src: int, *, timeout: float | None = None,
@@ -452,7 +461,7 @@ class Group:
         """Copy ``array`` from group rank ``src`` into ``array`` on every rank, in place."""
         self._check_member("broadcast")
         body = rooted.prepare_broadcast(self._ops, array, src)
-        return await self._submit("broadcast", body, timeout, async_op)
+        return await self._submit("broadcast", body, timeout, async_op, _nbytes(array))
 
     @overload
     async def reduce(self, array: ArrayT, dst: int, op: Op = ReduceOp.SUM, *,
@@ -471,7 +480,7 @@ class Group:
         """
         self._check_member("reduce")
         body = rooted.prepare_reduce(self._ops, array, dst, op)
-        return await self._submit("reduce", body, timeout, async_op)
+        return await self._submit("reduce", body, timeout, async_op, _nbytes(array))
 
     @overload
     async def gather(self, array: ArrayT, dst: int, *, timeout: float | None = None,
@@ -492,7 +501,7 @@ class Group:
         """
         self._check_member("gather")
         body = rooted.prepare_gather(self._ops, array, dst)
-        return await self._submit("gather", body, timeout, async_op)
+        return await self._submit("gather", body, timeout, async_op, _nbytes(array))
 
     @overload
     async def scatter(self, arrays: Sequence[ArrayT] | None, src: int, *, out: ArrayT,
@@ -527,7 +536,7 @@ class Group:
         """
         self._check_member("scatter")
         body = rooted.prepare_scatter(self._ops, arrays, src, out)
-        return await self._submit("scatter", body, timeout, async_op)
+        return await self._submit("scatter", body, timeout, async_op, _nbytes(out))
 
     @overload
     async def all_to_all(self, inputs: Sequence[np.ndarray | Tensor], outputs: OutputsT, *,
@@ -556,7 +565,8 @@ class Group:
         """
         self._check_member("all_to_all")
         body = exchange.prepare_all_to_all(self._ops, inputs, outputs)
-        return await self._submit("all_to_all", body, timeout, async_op)
+        return await self._submit("all_to_all", body, timeout, async_op,
+                                  sum(_nbytes(item) for item in inputs))
 
     @overload
     async def barrier(self, *, timeout: float | None = None, async_op: F = False) -> None: ...
@@ -686,3 +696,8 @@ class Group:
         self._check_member("recv_any")
         prepared = p2p.prepare_recv_any(self._ops, sources, tag, out, timeout)
         return await self._p2p("recv_any", prepared, async_op)
+
+
+def _nbytes(array: Any) -> int:
+    """The payload size a flight record notes for ``array`` (0 for ``None``)."""
+    return int(getattr(array, "nbytes", 0) or 0)

@@ -18,6 +18,7 @@ collectives allocate theirs from a per-group counter (see ``netdist.collectives`
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from netdist.errors import TransportClosedError
+from netdist.trace.recorder import Recorder
 from netdist.transport.traffic import PeerTraffic, Traffic
 
 if TYPE_CHECKING:
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
 __all__ = ["Transport", "MAX_TAG", "as_payload_array"]
 
 MAX_TAG = 2**63 - 1
+
+logger = logging.getLogger("netdist.trace")
 
 
 def as_payload_array(data: Any) -> np.ndarray:
@@ -173,6 +177,47 @@ class Transport(abc.ABC):
         zero = PeerTraffic()
         return Traffic(self.rank, {peer: zero for peer in range(self.world_size)
                                    if peer != self.rank}, self.host_keys())
+
+    @property
+    def recorder(self) -> Recorder:
+        """This rank's flight recorder and trace (``netdist.trace``), made on first use:
+        every ``Group`` over this transport records its calls there."""
+        recorder: Recorder | None = self.__dict__.get("_recorder")
+        if recorder is None:
+            recorder = self._recorder = self._new_recorder()
+        return recorder
+
+    def _new_recorder(self) -> Recorder:
+        """A recorder for this rank, tracing from the start under ``NETDIST_TRACE``."""
+        recorder = Recorder(self.rank, self.world_size, self._job_name())
+        recorder.peer_status = self._lost_peer_reasons
+        if recorder.settings.trace_dir is not None:
+            recorder.start_trace()
+        return recorder
+
+    def _job_name(self) -> str:
+        """The job id recorders name in their files (transports with a config say it)."""
+        return "netdist"
+
+    def _lost_peer_reasons(self) -> dict[int, str]:
+        """Every peer this transport knows is gone, with why (for flight records)."""
+        reasons = {}
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                error = self.lost_peer_error(peer)
+                if error is not None:
+                    reasons[peer] = str(error)
+        return reasons
+
+    def _finish_recording(self) -> None:
+        """At close: write the trace if one is running (a failure to write is logged)."""
+        recorder: Recorder | None = self.__dict__.get("_recorder")
+        if recorder is not None and recorder.trace is not None:
+            try:
+                recorder.stop_trace()
+            except OSError as exc:
+                logger.warning(
+                    "netdist: rank %d could not write its trace: %s", self.rank, exc)
 
     async def find_lost_peers(self, peers: Sequence[int], *,
                               timeout: float) -> dict[int, Exception]:

@@ -112,6 +112,7 @@ class InProcessTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        self._finish_recording()
         rank = self.rank
         for dst in range(self.world_size):
             if dst != rank:

@@ -471,6 +471,9 @@ class TcpTransport(Transport):
             box.fail(lost)
         self._links.settle(peer)
 
+    def _job_name(self) -> str:
+        return self.config.job_id
+
     def lost_peer_error(self, peer: int) -> Exception | None:
         box = self._mailboxes[peer] if 0 <= peer < self.world_size else None
         error = None if box is None else box.failure()
@@ -713,6 +716,7 @@ class TcpTransport(Transport):
     async def _close(self, error: BaseException | str | None) -> None:
         first = self._close_task is None
         if self._close_task is None:
+            self._finish_recording()
             self._begin_close(self._farewell(error))
             self._close_task = self._loop.create_task(self._finish_close())
         await asyncio.shield(self._close_task)

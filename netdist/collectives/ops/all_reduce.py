@@ -97,6 +97,7 @@ def start_eagerly(ctx: OpContext, array: Any, op: ReduceOp | str,
         return None
     op = reduce_op(op)
     check_reduce_dtype(op, array.dtype, "all_reduce")
+    ctx.planned = Algorithm.LANE.value
     chan = channel()
     ticket = ctx.lane.ticket()
     flat = array.reshape(-1)

@@ -23,9 +23,10 @@ from netdist.collectives.ops.arguments import timeout_value
 from netdist.collectives.tags import P2P_BIT, P2P_TAG_LIMIT
 from netdist.collectives.channel import Channel
 from netdist.collectives.routes import Algorithm, Operation, Route, Turn, Tuning, plan
+from netdist.trace.recorder import ROUTE_FIELD
 from netdist.transport.base import Transport
 
-__all__ = ["OpContext", "arena_mode", "settle", "spans_hosts"]
+__all__ = ["OpContext", "arena_mode", "route_name", "settle", "spans_hosts"]
 
 
 @dataclass
@@ -47,6 +48,14 @@ class OpContext:
     across_hosts: bool = False
     """The members span several hosts (by the transport's host keys): mid-sized messages
     take the bandwidth-optimal routes (``routes.small_bytes``)."""
+    planned: str = ""
+    """The route the call being issued planned (``route_name``), for the flight recorder:
+    set by ``route`` and taken by the group as it makes the call's channel."""
+
+    def take_planned(self) -> str:
+        """The route planned by the call being issued ("" if it planned none); cleared."""
+        planned, self.planned = self.planned, ""
+        return planned
 
     @property
     def world_size(self) -> int:
@@ -76,6 +85,7 @@ class OpContext:
         """The route of a call (``routes.plan``) and its turn's ticket, taken now, at issue,
         in issue order (``None``: the route takes no turn)."""
         route = plan(op, nbytes, itemsize, len(self.ranks), self.tuning, self.across_hosts)
+        self.planned = route_name(route)
         if route.turn is Turn.HOST:
             return route, self.host.ticket()
         if route.turn is Turn.LANE:
@@ -91,8 +101,18 @@ class OpContext:
         large calls)."""
         async with self.host.turn(chan, ticket) as arena:
             algorithm = settle(route, arena)
+            if chan.record is not None:
+                chan.record[ROUTE_FIELD] = algorithm.value
             shared = algorithm in (Algorithm.ARENA, Algorithm.TWO_LEVEL)
             yield algorithm, arena if shared else None
+
+
+def route_name(route: Route) -> str:
+    """How a flight record names ``route`` before its turn settles it: the algorithm, or
+    ``"shared / otherwise"`` for a route that depends on its turn."""
+    if route.turn is Turn.NONE:
+        return route.otherwise.value
+    return f"{route.shared.value} / {route.otherwise.value}"
 
 
 def settle(route: Route, arena: HostArena | None) -> Algorithm:
