@@ -84,6 +84,11 @@ class Recorder:
         """Set by the transport: the peers it knows are gone, each with why."""
         self.on_end: Callable[[list[Any]], None] | None = None
         """Called with each finished call's record (the live straggler report)."""
+        self.wait_ns = [0] * world_size
+        """Per transport rank: nanoseconds this rank's collectives spent whose last wait
+        was for that rank (the call's whole duration is counted against it)."""
+        self.waits = [0] * world_size
+        """Per transport rank: collectives whose last wait was for that rank."""
         self._last_error_dump = -ERROR_DUMP_INTERVAL
         self.last_dump: Path | None = None
 
@@ -103,9 +108,12 @@ class Recorder:
     def end(self, record: list[Any], state: str, waited_on: int = -1) -> None:
         """Record that the call of ``record`` returned (``state``), having last waited for
         transport rank ``waited_on`` (-1: none)."""
-        record[_T1] = time.monotonic_ns()
+        ended = record[_T1] = time.monotonic_ns()
         record[_STATE] = state
         record[_WAITED] = waited_on
+        if waited_on >= 0:
+            self.wait_ns[waited_on] += ended - record[_T0]
+            self.waits[waited_on] += 1
         trace = self.trace
         if trace is not None:
             gid = record[_GID]
