@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -162,6 +163,9 @@ class PeerMailbox:
         self._landing: tuple[int, Landing] | None = None
         """The frame last matched to a posted receive, by tag (frames from one peer land
         one at a time)."""
+        self.claim_times: dict[int, int] | None = None
+        """While traced: per tag, when the last frame's header arrived
+        (``time.monotonic_ns``), so a receive can tell waiting from moving bytes."""
         self.interrupted = False
         """This rank was waiting on the peer when it was lost (a receive posted, or a
         frame landing into one), or asked for a message after: the loss cut this rank's
@@ -190,6 +194,8 @@ class PeerMailbox:
     def claim(self, tag: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Landing:
         """Reserve the destination for the next frame on ``tag`` (header already decoded)."""
         nbytes = math.prod(shape) * dtype.itemsize
+        if self.claim_times is not None:
+            self.claim_times[tag] = time.monotonic_ns()
         posted = self._posted.get(tag)
         while posted:
             entry = posted.popleft()

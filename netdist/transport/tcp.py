@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from time import monotonic_ns
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,8 @@ from netdist.errors import (
     TransportClosedError,
     UndeliveredError,
 )
+from netdist.trace.signals import install_dump_signal
+from netdist.trace.tracer import KIND_RECV, KIND_SEND
 from netdist.transport.admission import AdmissionControl, Release, raise_nofile_limit
 from netdist.transport.dissemination import dissemination_barrier
 from netdist.transport.blame import (
@@ -168,6 +171,10 @@ class TcpTransport(Transport):
         self._lost: dict[int, tuple[LossOrigin, bool]] = {}
         """Per lost peer, in the order lost: who went away first, and whether that loss
         can explain this rank leaving (not a clean BYE, not a drop decided here)."""
+        self._recorder = self._new_recorder()
+        install_dump_signal(self._recorder)
+        self._silent_peers: set[int] = set()
+        """Peers traced as silent beyond two heartbeat intervals (until heard again)."""
 
     # -- construction --------------------------------------------------------------------
 
@@ -383,6 +390,7 @@ class TcpTransport(Transport):
         conn.attach(peer, self._mailboxes[peer], f"rank {peer}")
         self._connections[peer] = conn
         self._links.settle(peer)
+        self._recorder.instant("connection", "connect", peer=peer)
         self._check_all_accepted()
 
     def _check_all_accepted(self) -> None:
@@ -395,6 +403,8 @@ class TcpTransport(Transport):
             return
         origin = conn.loss_origin or LossOrigin(peer, one_line(conn.failure_reason), self.rank)
         self._lost.setdefault(peer, (origin, not (conn.peer_said_bye or conn.dropped_locally)))
+        self._recorder.instant("connection", "closed" if conn.peer_said_bye else "lost",
+                               peer=peer, reason=one_line(conn.failure_reason))
         if conn.peer_said_bye:
             logger.info("netdist: rank %d: %s", self.rank, conn.failure_reason)
         else:
@@ -466,6 +476,7 @@ class TcpTransport(Transport):
         self._links.unreachable[peer] = lost
         self._lost.setdefault(peer, (LossOrigin(peer, one_line(reason), rank), True))
         logger.warning("netdist: rank %d lost rank %d: %s", rank, peer, reason)
+        self._recorder.instant("connection", "lost", peer=peer, reason=one_line(reason))
         box = self._mailboxes[peer]
         if box is not None:
             box.fail(lost)
@@ -563,6 +574,7 @@ class TcpTransport(Transport):
                     conn.write_control(_HEARTBEAT)
                 conn.watch_link(now)
                 silent = min(silent, now - responsive_since)
+                self._trace_silence(conn.peer_rank, silent, interval)
                 allowed = conn.link.window(limit) if silent > limit else limit
                 if silent > allowed:
                     window = (f"the liveness window of {limit:g}s, stretched to "
@@ -574,6 +586,18 @@ class TcpTransport(Transport):
                         f"{interval:g} x NETDIST_HEARTBEAT_MISSES="
                         f"{self.config.heartbeat_misses}): presumed dead (stopped, "
                         "partitioned, or computing without a progress thread)")
+
+    def _trace_silence(self, peer: int | None, silent: float, interval: float) -> None:
+        """Trace a peer silent for over two heartbeat intervals, once per such gap."""
+        if peer is None or self._recorder.trace is None:
+            return
+        if silent > 2 * interval:
+            if peer not in self._silent_peers:
+                self._silent_peers.add(peer)
+                self._recorder.instant("connection", "heartbeat_gap", peer=peer,
+                                       gap_us=silent * 1e6)
+        elif silent < interval:
+            self._silent_peers.discard(peer)
 
     def _spawn(self, coro: Any, what: str) -> asyncio.Task[Any]:
         task = self._loop.create_task(coro, name=f"netdist rank {self.rank}: {what}")
@@ -618,12 +642,20 @@ class TcpTransport(Transport):
             tag = self.check_tag(tag)
         buffers = encode_data(data, tag=tag, limits=self._limits)
         conn = self._connections[dst]
+        trace = self._recorder.trace
+        started_ns = monotonic_ns() if trace is not None else 0
         started = self._loop.time()
         deadline = started + (self.timeout if timeout is None else timeout)
         if conn is None or self._links.has_senders(dst):
             conn = await self._connection_for_send(dst, tag, started, deadline)
-        await conn.send_frame(buffers, tag, len(buffers[1]) if len(buffers) > 1 else 0,
-                              deadline, started)
+        payload = len(buffers[1]) if len(buffers) > 1 else 0
+        if trace is None:
+            await conn.send_frame(buffers, tag, payload, deadline, started)
+            return
+        ready_ns = monotonic_ns()
+        await conn.send_frame(buffers, tag, payload, deadline, started)
+        trace.add((KIND_SEND, started_ns, monotonic_ns(), dst, tag, payload,
+                   ready_ns - started_ns, 0, 0, 0))
 
     async def _connection_for_send(self, dst: int, tag: int, started: float,
                                    deadline: float) -> FrameConnection:
@@ -668,13 +700,25 @@ class TcpTransport(Transport):
             raise ValueError(f"src {src} is this rank")
         if self._connections[src] is None:
             self._ensure_dial(src)  # waiting on a peer connects to it: its loss is seen
+        trace = self._recorder.trace
+        started_ns = 0
+        if trace is not None:
+            if box.claim_times is None:
+                box.claim_times = {}
+            started_ns = monotonic_ns()
         try:
-            return await box.recv(tag, out, self.timeout if timeout is None else timeout)
+            message = await box.recv(tag, out, self.timeout if timeout is None else timeout)
         except (NetdistTimeoutError, asyncio.CancelledError):
             conn = self._connections[src]
             if conn is not None:
                 conn.abandon_withdrawn_landing(f"recv from rank {src} (tag {tag}) gave up")
             raise
+        if trace is not None:
+            ended_ns = monotonic_ns()
+            claimed = box.claim_times.pop(tag, started_ns) if box.claim_times else started_ns
+            trace.add((KIND_RECV, started_ns, ended_ns, src, tag, message.nbytes,
+                       max(0, min(claimed, ended_ns) - started_ns), 0, 0, 0))
+        return message
 
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Dissemination barrier (ceil(log2 n) rounds); ``NetdistTimeoutError`` on timeout."""
