@@ -332,25 +332,32 @@ def validate_netdist_trace(obj: object) -> list[str]:
     _check_version(where, other, problems)
     problems.need_int(where, other, "world_size", minimum=1)
     pids: frozenset[int] | None = None
-    world = other.get("world_size") if _is_int(other.get("world_size")) else None
+    world = _world_size(other)
     if other.get("format") == TRACE_FORMAT:
         problems.need_int(where, other, "rank", minimum=0)
         rank = other.get("rank")
-        if _is_int(rank) and world is not None and not rank < world:
+        if _is_int(rank) and world is not None and not 0 <= rank < world:
             problems.add(f"{where}: rank {rank} is not below world_size {world}")
+            rank = None
         clock = problems.need_dict(where, other, "clock")
         if clock is not None:
             _check_clock(f"{where}.clock", clock, problems, reference=True)
         for key in ("events", "dropped"):
             if key in other:
                 problems.need_int(where, other, key, minimum=0)
-        if _is_int(rank):
+        if _is_int(rank) and rank >= 0:
             pids = frozenset({rank})
     elif other.get("format") == MERGED_FORMAT:
         pids = _check_merged_header(where, other, world, problems)
     for index, event in enumerate(events):
         _check_netdist_event(index, event, pids, problems)
     return problems.result()
+
+
+def _world_size(obj: Mapping[str, Any]) -> int | None:
+    """The header's world size when it is a valid one (else other checks would cascade)."""
+    world = obj.get("world_size")
+    return world if _is_int(world) and world >= 1 else None
 
 
 def _check_version(where: str, obj: Mapping[str, Any], problems: _Problems) -> None:
@@ -371,7 +378,7 @@ def _check_clock(where: str, clock: Mapping[str, Any], problems: _Problems, *,
 
 def _check_merged_header(where: str, other: Mapping[str, Any], world: int | None,
                          problems: _Problems) -> frozenset[int] | None:
-    ranks: list[int] = []
+    ranks: list[int] | None = None
     for key in ("ranks", "missing_ranks"):
         value = other.get(key)
         if not isinstance(value, list) or not all(_is_int(r) for r in value):
@@ -388,9 +395,9 @@ def _check_merged_header(where: str, other: Mapping[str, Any], world: int | None
                 problems.add(f"{where}.clocks[{key!r}] must be an object")
                 continue
             _check_clock(f"{where}.clocks[{key!r}]", clock, problems, reference=False)
-        if sorted(clocks) != sorted(str(r) for r in ranks):
+        if ranks is not None and sorted(clocks) != sorted(str(r) for r in ranks):
             problems.add(f"{where}: 'clocks' must have one entry per rank in 'ranks'")
-    return frozenset(ranks)
+    return None if ranks is None else frozenset(ranks)
 
 
 def _check_netdist_event(index: int, event: Mapping[str, Any], pids: frozenset[int] | None,
@@ -452,7 +459,7 @@ def validate_flight(obj: object) -> list[str]:
     _check_version(where, obj, problems)
     problems.need_int(where, obj, "world_size", minimum=1)
     problems.need_int(where, obj, "rank", minimum=0)
-    world = obj.get("world_size") if _is_int(obj.get("world_size")) else None
+    world = _world_size(obj)
     rank = obj.get("rank")
     if _is_int(rank) and world is not None and not rank < world:
         problems.add(f"{where}: rank {rank} is not below world_size {world}")
@@ -509,7 +516,7 @@ def _check_flight_group(where: str, group: str, state: object, world: int | None
     problems.need_int(where, state, "started", minimum=-1)
     problems.need_int(where, state, "completed", minimum=-1)
     started, completed = state.get("started"), state.get("completed")
-    if _is_int(started) and _is_int(completed) and completed > started:
+    if _is_int(started) and _is_int(completed) and -1 <= started < completed:
         problems.add(f"{where}: completed {completed} is past started {started}")
 
 
