@@ -662,6 +662,10 @@ def load_flight_dir(path: str | Path) -> list[FlightDump]:
     return dumps
 
 
+_STATE_WORDS = {"in_flight": "in flight", "error": "failed", "ok": "completed",
+                "cancelled": "cancelled"}
+
+
 def _op_text(op: str | None, group: str, seq: int) -> str:
     return f"{op or 'collective'} seq {seq} of group {group}"
 
@@ -728,6 +732,7 @@ def explain(dumps: Sequence[FlightDump], world_size: int | None = None) -> str:
     behind = _behind(ev)
     for rank, lags in sorted(behind.items()):
         sentences.extend(_explain_behind(ev, rank, lags))
+    sentences.extend(_explain_cycle(ev))
     if not missing and not behind:
         sentences.extend(_explain_agreeing(ev, world, triggers))
     return " ".join(sentences)
@@ -762,14 +767,13 @@ def _explain_missing(ev: _Evidence, rank: int) -> list[str]:
                 + (f" ({'; '.join(reasons)})" if reasons else ""))
     waiting = _waiters(ev, rank)
     if not waiting:
-        out.append(f"No other rank was inside a collective with rank {rank} when it "
-                   f"dumped{lost}.")
+        out.append(f"No rank that dumped was inside a collective with rank {rank}{lost}.")
     for (group, seq, name), holders in sorted(waiting.items(), key=lambda kv: kv[0][:2]):
         ranks = [d.rank for d, _ in holders]
         states = sorted({op.state if op is not None else "in_flight" for _, op in holders})
         longest = max((d.now_us - op.started_us for d, op in holders
                        if op is not None and op.state == "in_flight"), default=None)
-        state = ", ".join(s.replace("_", " ") for s in states)
+        state = ", ".join(_STATE_WORDS.get(s, s) for s in states)
         if longest is not None:
             state += f" for {_duration(longest)}"
         waited = any(op is not None and op.waited_on == rank for _, op in holders)
@@ -836,14 +840,14 @@ def _explain_behind(ev: _Evidence, rank: int, lags: list[tuple[str, int, int]]) 
     if elsewhere:
         out.append(f"Rank {rank} is stuck elsewhere, in "
                    + "; ".join(_current_text(*entry) for entry in elsewhere) + ".")
+        last = _last_done(d)
+        if last:
+            out.append(f"The last operation rank {rank} completed is {last}.")
     else:
         last = _last_done(d)
         after = f" after {last}" if last else ""
         out.append(f"Rank {rank} is in no collective{after}: it is stuck outside netdist's "
                    f"collectives (in its own code, I/O or another library).")
-    last = _last_done(d)
-    if last:
-        out.append(f"The last operation rank {rank} completed is {last}.")
     return out
 
 
@@ -853,7 +857,35 @@ def _current_text(group: str, seq: int, name: str | None, op: FlightOp | None) -
     if op is None:
         return text + " (started, not completed)"
     waited = f", waiting on rank {op.waited_on}" if op.waited_on >= 0 else ""
-    return f"{text} ({op.state.replace('_', ' ')}{waited})"
+    return f"{text} ({_STATE_WORDS.get(op.state, op.state)}{waited})"
+
+
+def _explain_cycle(ev: _Evidence) -> list[str]:
+    """A sentence on ranks that wait on each other in a circle (a deadlock), if any: each
+    dumped rank's first in-flight operation that names whom it waits on is an edge."""
+    waits: dict[int, FlightOp] = {}
+    for rank, d in sorted(ev.dumps.items()):
+        for op in d.current:
+            if op.state == "in_flight" and op.waited_on in ev.dumps and op.waited_on != rank:
+                waits[rank] = op
+                break
+    for start in sorted(waits):
+        path = [start]
+        while (nxt := waits[path[-1]].waited_on) in waits and nxt not in path:
+            path.append(nxt)
+        if nxt not in path:
+            continue
+        cycle = path[path.index(nxt):]
+        if min(cycle) != start:  # reported once, from its lowest rank
+            continue
+        parts = [f"rank {r} in {_op_text(waits[r].op, waits[r].group, waits[r].seq)} waits "
+                 f"on rank {waits[r].waited_on}" for r in cycle]
+        groups = {waits[r].group for r in cycle}
+        why = (" the ranks called the collectives of these groups in different orders"
+               if len(groups) > 1 else " they disagree on the order of the collectives")
+        return [f"{_sentence(_ranks_text(cycle))} wait on each other, a deadlock: "
+                f"{'; '.join(parts)} ({why.strip()})."]
+    return []
 
 
 def _last_done(d: FlightDump) -> str | None:
