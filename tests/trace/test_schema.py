@@ -212,8 +212,8 @@ def _first(cat: str, **fields: Any) -> Mutation:
     (_collective_args("waited_on", -2), "traceEvents[4] (all_reduce): 'waited_on' must be >= -1, got -2"),
     (_first("p2p", name="write"), "traceEvents[6] (write): a p2p event is named \"send\" or \"recv\""),
     (_first("p2p", ph="i"), "traceEvents[6] (send): a p2p event has phase \"X\", got 'i'"),
-    (lambda t: _first("p2p")(t) or next(e for e in t["traceEvents"] if e.get("cat") == "p2p")
-     ["args"].pop("move_us"), "traceEvents[6] (send): missing 'move_us'"),
+    (_first("p2p", args={"peer": 2, "tag": 7, "bytes": 1, "wait_us": 0.0}),
+     "traceEvents[6] (send): missing 'move_us'"),
     (_first("connection", ph="X", dur=1.0), "traceEvents[2] (connect): a connection event has phase \"i\""),
     (_first("connection", name="hello"), "traceEvents[2] (hello): 'hello' is not a connection event"),
 ])
