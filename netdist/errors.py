@@ -36,6 +36,8 @@ escape to callers.
     ├── FSDPError (RuntimeError)            FSDP used out of order: closed, no optimizer,
     │                                       no forward context, a gather in flight
     ├── PipelineError                       invalid pipeline configuration or schedule
+    ├── TraceError (ValueError)             a trace file or flight-recorder dump is missing,
+    │                                       truncated or breaks the format (names the file)
     └── CheckpointError
         ├── CheckpointNotFoundError         no complete checkpoint / missing shard file
         ├── CheckpointCorruptError          checksum mismatch, truncated or unreadable file
@@ -76,6 +78,7 @@ __all__ = [
     "ParameterServerError",
     "FSDPError",
     "PipelineError",
+    "TraceError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
@@ -242,6 +245,17 @@ class FSDPError(NetdistError, RuntimeError):
 
 class PipelineError(NetdistError):
     """Invalid pipeline configuration, or a stage failed."""
+
+
+class TraceError(NetdistError, ValueError):
+    """A trace file or flight-recorder dump (``netdist trace``, docs: trace format v1) is
+    missing, truncated, not JSON or breaks the format, or a directory holds none to
+    analyse. The message names the file (``path``, when there is one) and what is wrong
+    with it, so an offline analysis never fails with a bare ``KeyError``."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        self.path = path
+        super().__init__(message)
 
 
 class CheckpointError(NetdistError):

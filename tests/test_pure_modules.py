@@ -66,6 +66,8 @@ PURE = [
     "netdist.checkpoint.group_like",
     "netdist.netlab.layout",
     "netdist.ray.places",
+    "netdist.trace.schema",
+    "netdist.trace.analysis",
 ]
 """The PURE modules of DESIGN.md ("Layers"), and those the ps and parallel packages declare
 PURE in their docstrings; ``pkg.*`` is a package and all its modules."""

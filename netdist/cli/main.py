@@ -33,7 +33,7 @@ from netdist.errors import ConfigError, NetdistError, PeerLostError, TransportCl
 
 __all__ = ["COMMANDS", "build_parser", "format_error", "main"]
 
-COMMANDS: tuple[str, ...] = ("launch", "worker", "demo", "bench", "ckpt", "ps_server")
+COMMANDS: tuple[str, ...] = ("launch", "worker", "demo", "bench", "ckpt", "trace", "ps_server")
 """Subcommand modules under ``netdist.cli``, in the order ``netdist --help`` lists them."""
 
 EXIT_RUNTIME_ERROR = 1

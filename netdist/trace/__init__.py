@@ -1,0 +1,1 @@
+"""Tracing, the flight recorder and the offline analysis"""
