@@ -6,6 +6,8 @@ later), authenticates with the same HMAC handshake as peer connections (the coor
 speaks with role ``"coordinator"``), then exchanges control frames whose headers are
 msgpack maps::
 
+    rank -> coordinator   HELLO {op: "clock"}                    (CLOCK_SAMPLES times, each
+    coordinator -> rank   OK    {op: "clock", t: monotonic ns}    answered before the next)
     rank -> coordinator   HELLO {op: "register", rank, world_size, host, port, host_key}
     coordinator -> rank   OK    {op: "table", addresses: [[host, port, host_key], ...]}
                                                                     (rank order)
@@ -35,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +51,7 @@ from netdist.errors import (
     RendezvousError,
     RendezvousTimeoutError,
 )
+from netdist.trace.clock import CLOCK_SAMPLES, ClockAlignment, estimate_alignment
 from netdist.transport.admission import AdmissionControl, RefusalRecord, Release
 from netdist.transport.connection import (
     RETRY_FIRST_PAUSE,
@@ -75,6 +79,8 @@ __all__ = ["PeerAddress", "Coordinator", "RendezvousClient", "rendezvous_identit
 logger = logging.getLogger("netdist.transport")
 
 _TABLE_GRACE = 2.0
+_MAX_CLOCK_PINGS = 4 * CLOCK_SAMPLES
+"""Clock requests a coordinator answers per connection (a rank makes ``CLOCK_SAMPLES``)."""
 """Extra seconds a rank waits for the table beyond connect_timeout, so the coordinator's
 own timeout report (which names the missing ranks) arrives first."""
 
@@ -230,6 +236,13 @@ class Coordinator:
                 conn.label = f"rank {rank} at {where}"
                 frame = await conn.next_control(self._deadline + _TABLE_GRACE,
                                                 f"registration from rank {rank}")
+                pings = 0
+                while _is_clock_request(frame) and pings < _MAX_CLOCK_PINGS:
+                    pings += 1
+                    conn.write_control(encode_control(FrameKind.OK, {
+                        "op": "clock", "t": time.monotonic_ns()}))
+                    frame = await conn.next_control(self._deadline + _TABLE_GRACE,
+                                                    f"registration from rank {rank}")
                 self._register(conn, rank, frame)
                 # keep reading until the table goes out, so a rank that dies meanwhile is
                 # noticed (and may be replaced by a restarted process)
@@ -484,6 +497,27 @@ class RendezvousClient:
         local = self._conn.sockname()
         return "127.0.0.1" if local is None else local[0]
 
+    async def align_clock(self, samples: int = CLOCK_SAMPLES) -> ClockAlignment:
+        """Measure this rank's clock against the coordinator's (``netdist.trace.clock``):
+        ``samples`` ping-pongs before registering, the shortest round trip counts."""
+        conn = self._conn
+        loop = asyncio.get_running_loop()
+        measured = []
+        for _ in range(samples):
+            sent = time.monotonic_ns()
+            conn.write_control(encode_control(FrameKind.HELLO, {"op": "clock"}))
+            frame = await conn.next_control(loop.time() + self.config.join_timeout,
+                                            f"rank {self.config.rank} aligning its clock")
+            received = time.monotonic_ns()
+            answer = frame.fields.get("t")
+            if frame.kind != FrameKind.OK or frame.fields.get("op") != "clock" \
+                    or type(answer) is not int:
+                raise RendezvousError(
+                    f"rank {self.config.rank}: malformed clock answer from the "
+                    f"{conn.label}: {frame.kind.name} {sorted(frame.fields)}")
+            measured.append((sent, answer, received))
+        return estimate_alignment(measured, reference_rank=0)
+
     async def register(self, address: PeerAddress) -> tuple[PeerAddress, ...]:
         """Register this rank's listen address; wait for the whole table (rank order)."""
         config = self.config
@@ -523,6 +557,10 @@ class RendezvousClient:
         """Close the coordinator connection (bounded wait)."""
         self._conn.close(send_bye=False, reason="rendezvous finished")
         await self._conn.wait_closed(1.0)
+
+
+def _is_clock_request(frame: ControlFrame) -> bool:
+    return frame.kind == FrameKind.HELLO and frame.fields.get("op") == "clock"
 
 
 def _timeout_variable(config: DistributedConfig) -> str:

@@ -228,6 +228,7 @@ class TcpTransport(Transport):
                 token=config.token,
                 insecure=config.insecure, what=f"rank {self.rank}'s peer listener",
                 fallback_to_all=config.listen_host is None)
+            self._recorder.clock = await client.align_clock()
             table = await client.register(PeerAddress(advertise, self.listen_address[1],
                                                       host_key(config.host_id)))
         finally:
