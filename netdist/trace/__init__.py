@@ -1,1 +1,19 @@
-"""Tracing, the flight recorder and the offline analysis"""
+"""Seeing what every rank does: the trace, the flight recorder and their analysis.
+
+- ``NETDIST_TRACE=DIR`` (or ``start_trace`` / ``stop_trace`` at run time) writes one Trace
+  Event Format file per rank: every collective, every TCP send and receive, subsystem
+  spans and connection events, on a clock aligned across ranks at rendezvous.
+- The flight recorder is always on: the last ``NETDIST_FLIGHT_RECORDS`` collectives of
+  each rank, dumped as JSON when a collective fails on a lost peer or a deadline, on
+  ``SIGUSR1`` and on ``dump_flight_record``.
+- ``netdist trace merge | summary | why`` read them (``netdist.trace.analysis``).
+
+See docs/tracing.md.
+"""
+
+from netdist.trace.control import dump_flight_record, recorder_of, start_trace, stop_trace
+from netdist.trace.recorder import Recorder
+from netdist.trace.settings import TraceSettings
+
+__all__ = ["Recorder", "TraceSettings", "dump_flight_record", "recorder_of", "start_trace",
+           "stop_trace"]
