@@ -22,7 +22,7 @@ from pathlib import Path
 
 from netdist.config import NumberSetting
 
-__all__ = ["TraceSettings", "DEFAULT_FLIGHT_RECORDS", "DEFAULT_TRACE_BUFFER",
+__all__ = ["TraceSettings", "TRACE_VARIABLES", "DEFAULT_FLIGHT_RECORDS", "DEFAULT_TRACE_BUFFER",
            "DEFAULT_STRAGGLER_REPORT_SECONDS"]
 
 DEFAULT_FLIGHT_RECORDS = 2000
@@ -31,6 +31,11 @@ DEFAULT_TRACE_BUFFER = 262_144
 """Trace records (80 bytes each) kept in memory before a spill to the side file."""
 DEFAULT_STRAGGLER_REPORT_SECONDS = 60.0
 """Least time between two live straggler log lines of one rank."""
+
+TRACE_VARIABLES: frozenset[str] = frozenset({
+    "NETDIST_TRACE", "NETDIST_FLIGHT_RECORDS", "NETDIST_FLIGHT_DIR", "NETDIST_TRACE_BUFFER",
+    "NETDIST_STRAGGLER_REPORT"})
+"""Every variable ``TraceSettings.from_env`` reads (the launcher checks them up front)."""
 
 _FLIGHT_RECORDS = NumberSetting("flight_records", "NETDIST_FLIGHT_RECORDS", "", 0,
                                 low_inclusive=True, high=10_000_000, integer=True)
