@@ -37,6 +37,8 @@ PURE = [
     "netdist.optim_kernels",
     "netdist.wire.*",
     "netdist.transport.traffic",
+    "netdist.trace.counters",
+    "netdist.trace.prometheus",
     "netdist.compression.*",
     "netdist.collectives.plan",
     "netdist.collectives.routes",

@@ -97,7 +97,7 @@ from netdist.checkpoint.summary import (
     shard_extent,
 )
 from netdist.checkpoint.writing import (SaveCoordinator, SaveResult, SaveTarget,
-                                        check_keep_last, run_save)
+                                        check_keep_last, recorder_of, run_save)
 from netdist.errors import CheckpointError, CheckpointMismatchError, ConfigError
 from netdist.sharding import Replicate, TensorShardSpec
 
@@ -304,7 +304,7 @@ class _GroupSave(SaveCoordinator):
                  keep_last: int | None, overwrite: bool, extra: Mapping[str, Any] | None,
                  mesh: Mapping[str, Any] | None, check: ReplicaCheck,
                  timeout: float | None) -> None:
-        super().__init__(group.rank, group.world_size)
+        super().__init__(group.rank, group.world_size, recorder_of(group))
         self.state = state
         self.root = root
         self.group = group

@@ -25,6 +25,7 @@ netdist writes); ``docs/PROTOCOL.md`` has the byte layout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -426,13 +427,16 @@ def build_header(sources: Sequence[tuple[str, str, tuple[int, ...]]],
 def write_safetensors(path: str | os.PathLike[str], sources: Sequence[TensorSource], *,
                       metadata: Mapping[str, str] | None = None,
                       block_size: int = CHECKSUM_BLOCK_SIZE,
-                      progress: Callable[[int], None] | None = None) -> tuple[int, str]:
+                      progress: Callable[[int], None] | None = None,
+                      syncing: Callable[[], contextlib.AbstractContextManager[Any]] | None
+                      = None) -> tuple[int, str]:
     """Write ``sources`` as one safetensors file at ``path``, crash-safely.
 
     Returns ``(size, checksum)`` for the :class:`FileRecord`. The bytes go to a temp
     sibling, are fsynced, then renamed over ``path`` and the directory fsynced; on any
     error the temp file is removed and ``path`` is untouched. ``progress(n)`` is called
-    with the byte count after each piece.
+    with the byte count after each piece; the file's fsync runs inside ``syncing()`` (a
+    trace span) when given.
     """
     path = Path(path)
     by_name = {s.name: s for s in sources}
@@ -467,7 +471,8 @@ def write_safetensors(path: str | os.PathLike[str], sources: Sequence[TensorSour
                         progress(written)
             if got != expected:
                 raise ValueError(f"{entry.name}: producer gave {got} bytes, expected {expected}")
-        os.fsync(fd)
+        with contextlib.nullcontext() if syncing is None else syncing():
+            os.fsync(fd)
         os.close(fd)
         fd = -1
         os.replace(tmp, path)

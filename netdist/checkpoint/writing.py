@@ -25,6 +25,7 @@ same header (:func:`rank_file_metadata`).
 from __future__ import annotations
 
 import abc
+import contextlib
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from netdist.checkpoint.metadata import (
 from netdist.checkpoint.planner import Piece, WritePlan, assign_writers, plan_writes
 from netdist.checkpoint.storage import TensorSource, write_safetensors
 from netdist.errors import CheckpointError
+from netdist.trace.recorder import Recorder
 
 __all__ = [
     "SaveResult",
@@ -58,6 +60,7 @@ __all__ = [
     "check_keep_last",
     "rank_file_metadata",
     "write_rank_file",
+    "recorder_of",
 ]
 
 T = TypeVar("T")
@@ -120,9 +123,11 @@ def rank_file_metadata(rank: int, world_size: int) -> dict[str, str]:
 
 
 def write_rank_file(directory: Path, rank: int, plan: WritePlan,
-                    arrays: Mapping[str, np.ndarray]) -> FileRecord:
+                    arrays: Mapping[str, np.ndarray],
+                    syncing: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+                    ) -> FileRecord:
     """Write ``rank``'s file as ``plan`` lists it (its shards and the replicated tensors
-    assigned to it), from ``arrays`` by name."""
+    assigned to it), from ``arrays`` by name; ``syncing`` as for ``write_safetensors``."""
     sources = []
     for item in plan.for_rank(rank):
         array = arrays[item.name]
@@ -130,11 +135,19 @@ def write_rank_file(directory: Path, rank: int, plan: WritePlan,
         sources.append(TensorSource(item.name, dtype, tuple(array.shape), data=array))
     name = rank_file_name(rank)
     size, checksum = write_safetensors(directory / name, sources,
-                                       metadata=rank_file_metadata(rank, plan.num_ranks))
+                                       metadata=rank_file_metadata(rank, plan.num_ranks),
+                                       syncing=syncing)
     return FileRecord(rank, name, size, checksum)
 
 
 # --------------------------------------------------------------------------- the save path
+
+
+def recorder_of(group: Any) -> Recorder | None:
+    """The trace recorder of ``group``'s transport (``group.transport.recorder``: a
+    ``netdist.Group``'s), or ``None`` for a group-like object without one."""
+    recorder = getattr(getattr(group, "transport", None), "recorder", None)
+    return recorder if isinstance(recorder, Recorder) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,9 +181,19 @@ class SaveCoordinator(abc.ABC):
     write the rank file), :meth:`share`, on the committing rank :meth:`contents` and
     :meth:`commit`, and :meth:`announce`, in that order."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, recorder: Recorder | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.recorder = recorder
+        """Where the save's stages are traced (a ``netdist.trace.Recorder``: the group's
+        transport's), or ``None``: not traced."""
+
+    def span(self, name: str, **args: Any) -> contextlib.AbstractContextManager[dict[str, Any]]:
+        """A trace span (category ``"checkpoint"``) around one stage of the save; the
+        block may add to the dict it gets. Nothing without a recorder."""
+        if self.recorder is None:
+            return contextlib.nullcontext(args)
+        return self.recorder.span("checkpoint", name, **args)
 
     @abc.abstractmethod
     async def run(self, fn: Callable[..., T], /, *args: Any) -> T:
@@ -210,14 +233,22 @@ async def run_save(coordinator: SaveCoordinator, started: float) -> SaveResult:
     announce (module docstring). ``started`` (a ``perf_counter`` time) is where
     ``SaveResult.seconds`` counts from."""
     rank, world_size = coordinator.rank, coordinator.world_size
-    target = await coordinator.settle()
-    writers = assign_writers(target.specs, world_size, target.pinned)
-    plan = plan_writes(target.specs, world_size, writers)  # the one plan of this save
+    with coordinator.span("stage") as args:
+        target = await coordinator.settle()
+        args.update(step=target.step, tensors=len(target.specs))
+    with coordinator.span("plan", step=target.step, tensors=len(target.specs)):
+        writers = assign_writers(target.specs, world_size, target.pinned)
+        plan = plan_writes(target.specs, world_size, writers)  # the one plan of this save
     written: FileRecord | BaseException
+    name = rank_file_name(rank)
     try:
-        with os_errors(rank, f"write {rank_file_name(rank)} of checkpoint {target.final}"):
-            written = await coordinator.run(write_rank_file, target.directory, rank, plan,
-                                            target.arrays)
+        with os_errors(rank, f"write {name} of checkpoint {target.final}"), \
+                coordinator.span("write", step=target.step, file=name) as args:
+            written = await coordinator.run(
+                write_rank_file, target.directory, rank, plan, target.arrays,
+                None if coordinator.recorder is None else
+                lambda: coordinator.span("fsync", step=target.step, file=name))
+            args["bytes"] = written.size
     except Exception as exc:  # the coordinator reports it (to every rank) in share
         written = exc
     found = await coordinator.share(target, written)
@@ -233,7 +264,8 @@ async def run_save(coordinator: SaveCoordinator, started: float) -> SaveResult:
                 num_ranks=world_size, tensor_specs=target.specs, mesh=target.mesh,
                 extra=dict(target.extra), step=target.step, writers=plan.writers,
                 files=files, generation=target.generation, state=layout)
-            with os_errors(rank, f"commit checkpoint {target.final}"):
+            with os_errors(rank, f"commit checkpoint {target.final}"), \
+                    coordinator.span("commit", step=target.step, files=len(files)):
                 outcome = await coordinator.commit(target, metadata)
         except Exception as exc:  # the coordinator reports it in announce
             error = exc

@@ -402,8 +402,10 @@ class ElasticJob:
                 if not self._resume(ctx, ("vote", 0, ctx.prepared_in)):
                     return False
         self._position = None
-        for action in ctx._commit:
-            action()
+        with self._span("commit", step=self.step, epoch=self.epoch,
+                        world_size=ctx.world_size):
+            for action in ctx._commit:
+                action()
         self.step += 1
         if self.sampler is not None:
             self.sampler.advance(ctx.skipped)
@@ -412,6 +414,13 @@ class ElasticJob:
             self._grow = True
             self._reason = f"{int(vote[1])} joining"
         return True
+
+    def _span(self, name: str, **args: Any) -> contextlib.AbstractContextManager[dict[str, Any]]:
+        """A trace span (category ``"elastic"``) on this epoch's transport's recorder."""
+        transport = self.transport
+        if transport is None:
+            return contextlib.nullcontext(args)
+        return transport.recorder.span("elastic", name, **args)
 
     async def epoch_failed(self, exc: BaseException) -> None:
         """The epoch is broken (``exc`` says how): abort its transport (which wakes every
@@ -544,14 +553,17 @@ class ElasticJob:
         def overwriting() -> None:
             self.step = -1  # no valid state until the fetched one is verified
 
-        report = await synchronize_state(self.group, self.state, self.step, overwriting)
-        if report.step != self.step:
-            self.step = report.step
-            self._position = None
-        # where every member is in its step, for a step that may resume (``_resume``)
-        self._positions = await self.group.all_gather_object(
-            [self.step, None if self._position is None else list(self._position),
-             self._batch_ids if self._position is not None else []])
+        with self._span("epoch", epoch=membership.epoch, world_size=membership.size,
+                        rank=rank, reason=self._reason) as args:
+            report = await synchronize_state(self.group, self.state, self.step, overwriting)
+            if report.step != self.step:
+                self.step = report.step
+                self._position = None
+            # where every member is in its step, for a step that may resume (``_resume``)
+            self._positions = await self.group.all_gather_object(
+                [self.step, None if self._position is None else list(self._position),
+                 self._batch_ids if self._position is not None else []])
+            args["step"] = self.step
         self.phase = Phase.ACTIVE
         began = self._broken_since if self._broken_since is not None else self._loop.time()
         self._broken_since = None

@@ -22,6 +22,7 @@ the unit index and ``d``, so all ranks issue them in the same order. The policy
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -73,6 +74,19 @@ class GatherReduceSchedule:
         self.view = view
         self.timings = Timings()
         self._pending: list[Any] = []
+        group = shard_group if shard_group is not None else replica_group
+        self._recorder = None if group is None else group.transport.recorder
+
+    def _span(self, name: str, unit: Unit | None = None,
+              **args: Any) -> contextlib.AbstractContextManager[Any]:
+        """A trace span of FSDP (``netdist.trace``) around a wait for ``unit``'s
+        collective: which unit (and its layers) and how many bytes."""
+        if self._recorder is None:
+            return contextlib.nullcontext()
+        if unit is not None:
+            start, stop = unit.layer_range
+            args.update(unit=unit.index, layers=f"{start}..{stop - 1}")
+        return self._recorder.span("fsdp", name, **args)
 
     # -- parameter gathering -------------------------------------------------------------
 
@@ -101,7 +115,9 @@ class GatherReduceSchedule:
         if unit.gather_work is None:
             await self.issue_gather(unit)
         started = time.perf_counter()
-        await unit.gather_work
+        with self._span("all_gather", unit, bytes=unit.layout.padded_numel
+                        * unit.layout.np_dtype.itemsize):
+            await unit.gather_work
         self.timings.allgather_wait += time.perf_counter() - started
         gathered = unit.gather_buf
         if gathered is None:
@@ -236,7 +252,9 @@ class GatherReduceSchedule:
     async def _finish_reduce(self, job: _GradJob, averaging: deque[_GradJob]) -> None:
         if job.work is not None:
             started = time.perf_counter()
-            await job.work
+            with self._span("reduce_scatter", job.unit,
+                            bytes=0 if job.buffer is None else job.buffer.nbytes):
+                await job.work
             self.timings.reduce_wait += time.perf_counter() - started
         self.memory.free(job.buffer)
         job.buffer = None
@@ -253,7 +271,9 @@ class GatherReduceSchedule:
 
     async def _finish_average(self, job: _GradJob) -> None:
         started = time.perf_counter()
-        await job.work
+        averaged = job.result if job.result is not None else job.unit.grad
+        with self._span("all_reduce", job.unit, bytes=averaged.nbytes):
+            await job.work
         self.timings.reduce_wait += time.perf_counter() - started
         if job.result is not None:
             self._accumulate(job)
@@ -282,8 +302,12 @@ class GatherReduceSchedule:
                 self._pending.append(work)
                 works.append(work)
         waited = time.perf_counter()
-        for work in works:
-            await work
+        if works:
+            with self._span("all_gather", phase="step", units=len(works),
+                            bytes=sum(u.full.nbytes for u in units
+                                      if u.full is not None and u.layout.numel)):
+                for work in works:
+                    await work
         self.timings.step_allgather_wait += time.perf_counter() - waited
         self._pending.clear()
 

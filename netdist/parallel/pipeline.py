@@ -566,9 +566,13 @@ class _StepRun:
 
     async def recv(self, action: Action, direction: Direction, offset: int) -> None:
         pipe = self.pipe
-        data = await pipe.transport.recv(pipe._neighbour(offset),
-                                         tag=self._tag(action, direction),
-                                         timeout=pipe.timeout)
+        peer = pipe._neighbour(offset)
+        with pipe.transport.recorder.span("pipeline", action.kind.value, step=self.step,
+                                          stage=pipe.stage, micro_batch=action.micro_batch,
+                                          peer=peer) as args:
+            data = await pipe.transport.recv(peer, tag=self._tag(action, direction),
+                                             timeout=pipe.timeout)
+            args["bytes"] = data.nbytes
         self.stats.bytes_received += data.nbytes
         self.received[action.micro_batch] = data
 
@@ -590,10 +594,13 @@ class _StepRun:
         target = (pipe._for_layers(self.micro_targets[mb])
                   if self.micro_targets is not None else None)
         t0 = time.perf_counter()
-        if pipe.offload_compute:
-            y, ctx, loss, grad = await asyncio.to_thread(pipe._forward, mb, x, target)
-        else:
-            y, ctx, loss, grad = pipe._forward(mb, x, target)
+        with pipe.transport.recorder.span("pipeline", "forward", step=self.step,
+                                          stage=pipe.stage, micro_batch=mb) as args:
+            if pipe.offload_compute:
+                y, ctx, loss, grad = await asyncio.to_thread(pipe._forward, mb, x, target)
+            else:
+                y, ctx, loss, grad = pipe._forward(mb, x, target)
+            args["bytes"] = y.nbytes
         stats.forward += time.perf_counter() - t0
         if target is not None:
             if grad is None:
@@ -616,10 +623,12 @@ class _StepRun:
         grad_out = pipe._for_layers(self.loss_grads.pop(mb) if pipe.is_last
                                     else self.received.pop(mb))
         t0 = time.perf_counter()
-        if pipe.offload_compute:
-            grad_in = await asyncio.to_thread(pipe.module.backward, ctx, grad_out)
-        else:
-            grad_in = pipe.module.backward(ctx, grad_out)
+        with pipe.transport.recorder.span("pipeline", "backward", step=self.step,
+                                          stage=pipe.stage, micro_batch=mb):
+            if pipe.offload_compute:
+                grad_in = await asyncio.to_thread(pipe.module.backward, ctx, grad_out)
+            else:
+                grad_in = pipe.module.backward(ctx, grad_out)
         self.stats.backward += time.perf_counter() - t0
         del ctx
         self.stash_bytes -= nbytes

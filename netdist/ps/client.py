@@ -150,6 +150,9 @@ class PSClient(WorkerSession):
         """True once this worker told the servers it failed (``abort``)."""
         self.bytes_sent = 0
         """Payload bytes this worker has put on the wire (headers and gradients)."""
+        self._recorder = self._ep.transport.recorder
+        self._nbytes = 0
+        """Bytes of the whole model, each way of a push or pull (trace spans)."""
 
     # -- properties ----------------------------------------------------------------------
 
@@ -243,6 +246,7 @@ class PSClient(WorkerSession):
         self._dtype = dtype
         self._push_bufs = [np.empty(n, dtype) for n in plan.server_sizes]
         self._pull_bufs = [np.empty(n, dtype) for n in plan.server_sizes]
+        self._nbytes = sum(plan.server_sizes) * dtype.itemsize
         self._tensors = tensors
         self._state = "ready"
         return await self.pull()
@@ -258,8 +262,10 @@ class PSClient(WorkerSession):
         plan.check_arrays(arrays, writable=False)
         self._check_push()
         seq = self._next_sequence()
-        await self._all([self._request(s, PUSH, arrays, None, "push", seq)
-                         for s in range(self.num_servers)])
+        with self._recorder.span("ps", "push", step=seq, bytes=self._nbytes,
+                                 servers=self.num_servers):
+            await self._all([self._request(s, PUSH, arrays, None, "push", seq)
+                             for s in range(self.num_servers)])
         self._pushed_since_pull = True
 
     async def pull(self, *, out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
@@ -271,8 +277,10 @@ class PSClient(WorkerSession):
         plan = self._ready("pull")
         targets, staged = self._outputs(plan, out)
         seq = self._next_sequence()
-        await self._all([self._request(s, PULL, None, targets, "pull", seq)
-                         for s in range(self.num_servers)])
+        with self._recorder.span("ps", "pull", step=seq, bytes=self._nbytes,
+                                 servers=self.num_servers):
+            await self._all([self._request(s, PULL, None, targets, "pull", seq)
+                             for s in range(self.num_servers)])
         self._pushed_since_pull = False
         return self._results(targets, out, staged)
 
@@ -289,8 +297,10 @@ class PSClient(WorkerSession):
         targets, staged = self._outputs(plan, out)
         self._check_push()
         seq = self._next_sequence()
-        await self._all([self._request(s, PUSH | PULL, arrays, targets, "step", seq)
-                         for s in range(self.num_servers)])
+        with self._recorder.span("ps", "step", step=seq, bytes=self._nbytes,
+                                 servers=self.num_servers):
+            await self._all([self._request(s, PUSH | PULL, arrays, targets, "step", seq)
+                             for s in range(self.num_servers)])
         self._pushed_since_pull = False
         return self._results(targets, out, staged)
 

@@ -193,11 +193,15 @@ class ParameterServer:
                 return params
             prep = self._prepare(arrays)
             t = self._ep.timeout if timeout is None else timeout
-            if self.is_server:
-                await self._serve(prep, t, self._broadcast_pieces(prep, arrays, t))
-            else:
-                await self._as_worker(prep, t, "broadcast_params",
-                                      self._recv_pieces(prep, arrays, SyncStream.PARAMS, t))
+            with self._ep.transport.recorder.span(
+                    "ps", "broadcast_params", role="server" if self.is_server else "worker",
+                    bytes=sum(a.nbytes for a in arrays)):
+                if self.is_server:
+                    await self._serve(prep, t, self._broadcast_pieces(prep, arrays, t))
+                else:
+                    await self._as_worker(prep, t, "broadcast_params",
+                                          self._recv_pieces(prep, arrays, SyncStream.PARAMS,
+                                                            t))
             for stage in staged:
                 if stage is not None:
                     stage.finish()
@@ -229,14 +233,17 @@ class ParameterServer:
                       for shape, dtype in zip(prep.layout.shapes, prep.layout.dtypes)]
             if self.world_size > 1:
                 t = self._ep.timeout if timeout is None else timeout
-                if self.is_server:
-                    await self._serve(prep, t, self._reduce_pieces(prep, grads, result, t))
-                else:
-                    async def exchange() -> None:
-                        await run_all([self._recv_pieces(prep, result, SyncStream.AVG, t),
-                                       self._send_pieces(prep, grads, t)])
+                with self._ep.transport.recorder.span(
+                        "ps", "reduce_gradients", role="server" if self.is_server else "worker",
+                        bytes=sum(g.nbytes for g in grads)):
+                    if self.is_server:
+                        await self._serve(prep, t, self._reduce_pieces(prep, grads, result, t))
+                    else:
+                        async def exchange() -> None:
+                            await run_all([self._recv_pieces(prep, result, SyncStream.AVG, t),
+                                           self._send_pieces(prep, grads, t)])
 
-                    await self._as_worker(prep, t, "reduce_gradients", exchange())
+                        await self._as_worker(prep, t, "reduce_gradients", exchange())
             else:
                 for out, g in zip(result, grads):
                     np.copyto(out, g)

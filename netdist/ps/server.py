@@ -179,6 +179,7 @@ class PSServer:
         self._apply_lock = asyncio.Lock()
         self._done = False
         self._started = False
+        self._recorder = self._ep.transport.recorder
 
     # -- public --------------------------------------------------------------------------
 
@@ -490,13 +491,20 @@ class PSServer:
                     clock.check_push(index, base)
                 except ParameterServerError as exc:
                     raise RankFailure(worker, "push", exc) from None
-                # land the gradient first: once pending, another worker's push may apply it
-                await self._receive_gradient(index, worker, base)
-                self._push_seq[index] = seq
-                clock.on_push(index, base)
-                await self._advance()
+                with self._recorder.span("ps", "serve_push", worker=worker,
+                                         shard=self.shard_index, step=seq, base=base,
+                                         bytes=self._grads[index].nbytes):
+                    # land the gradient first: once pending, another worker's push may
+                    # apply it
+                    await self._receive_gradient(index, worker, base)
+                    self._push_seq[index] = seq
+                    clock.on_push(index, base)
+                    await self._advance()
             if flags & PULL:
-                await self._answer_pull(index, worker)
+                with self._recorder.span("ps", "serve_pull", worker=worker,
+                                         shard=self.shard_index, step=seq,
+                                         bytes=self._grads[index].nbytes):
+                    await self._answer_pull(index, worker)
 
     async def _receive_gradient(self, index: int, worker: int, base: int) -> None:
         """Land worker ``index``'s gradient segments in its gradient buffer."""
@@ -541,10 +549,13 @@ class PSServer:
         divisor = len(update) if clock.max_staleness == 0 else len(self._workers)
         self._applying = True
         try:
-            shard.apply(grads, divisor)
-            if self._backup is not None:
-                records = [UpdateRecord(w, self._push_seq[w], clock.base(w)) for w in update]
-                await self._backup.apply(records, grads, clock.version, divisor)
+            with self._recorder.span("ps", "apply", shard=self.shard_index,
+                                     version=clock.version, workers=len(update)):
+                shard.apply(grads, divisor)
+                if self._backup is not None:
+                    records = [UpdateRecord(w, self._push_seq[w], clock.base(w))
+                               for w in update]
+                    await self._backup.apply(records, grads, clock.version, divisor)
             clock.commit(update)
             for w in update:
                 self._applied_seq[w] = self._push_seq[w]

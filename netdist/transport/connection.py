@@ -44,6 +44,7 @@ from netdist.errors import (
 from netdist.transport.blame import LossOrigin, read_farewell
 from netdist.transport.link_stats import (
     LinkWatch,
+    TcpStats,
     cap_retransmit_backoff,
     tcp_stats,
     unsent_bytes,
@@ -353,6 +354,11 @@ class FrameConnection(asyncio.BufferedProtocol):
             self.last_sent = now
         self._seen = (self.reads, self.writes)
         return now - self.last_sent, now - self.last_received
+
+    def tcp_stats(self) -> TcpStats | None:
+        """The kernel's counters of this connection now (``None``: no socket yet, closed,
+        or not readable on this platform)."""
+        return None if self.transport is None else tcp_stats(self.transport)
 
     def watch_link(self, now: float) -> None:
         """Feed the kernel's counters for this connection to ``link`` (each liveness tick,

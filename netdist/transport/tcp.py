@@ -858,6 +858,14 @@ class TcpTransport(Transport):
         return (f"<TcpTransport rank {self.rank}/{self.world_size} {state} "
                 f"listening on {self.listen_address}>")
 
+    def link_stats(self) -> dict[int, Any]:
+        """Per peer ever connected, the kernel's counters of its connection: a
+        ``netdist.transport.link_stats.TcpStats``, or ``None`` where they cannot be read
+        (closed, not Linux). Read-only; ``netdist.trace.counters`` reports them. Call it on
+        the transport's event loop."""
+        return {peer: conn.tcp_stats() for peer, conn in enumerate(self._connections)
+                if conn is not None}
+
 
 def _peer_loss_in(error: BaseException) -> PeerLostError | None:
     """The first ``PeerLostError`` behind ``error``: itself, its cause or context chain,
