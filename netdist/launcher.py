@@ -903,10 +903,12 @@ def check_environment(env: Mapping[str, str]) -> None:
         num_servers_from_env,
     )
 
+    from netdist.trace.prometheus import METRICS_HOST_ENV, METRICS_PORT_ENV, MetricsSettings
     from netdist.trace.settings import TRACE_VARIABLES, TraceSettings
 
     validate_environment(env)
     TraceSettings.from_env(env)
+    MetricsSettings.from_env(env)
     num_servers_from_env(env)
     max_staleness_from_env(env)
     if env.get("NETDIST_SHM_COPY"):
@@ -915,7 +917,7 @@ def check_environment(env: Mapping[str, str]) -> None:
         shared_memory_copy(None, environ=env)
     known = CONFIG_VARIABLES | SET_BY_LAUNCHERS | {
         PS_SERVERS_ENV, PS_MAX_STALENESS_ENV, "NETDIST_SHM_COPY", *_ELASTIC_VARIABLES,
-        *TRACE_VARIABLES,
+        *TRACE_VARIABLES, METRICS_PORT_ENV, METRICS_HOST_ENV,
         "NETDIST_CHECKPOINT_FAILPOINT",  # a testing hook (netdist.checkpoint.commit)
     }
     unknown = sorted(name for name in env if name.startswith("NETDIST_") and name not in known)

@@ -135,11 +135,8 @@ def _read(transport: Transport) -> Counters:
             (wait_ns[peer] if peer < len(wait_ns) else 0) / 1e9,
             None if link is None else int(link.total_retrans),
             transport.lost_peer_error(peer) is not None)
-    dumps = getattr(recorder, "dumps", None)
-    if dumps is None:  # a recorder that does not count its dumps: whether it wrote one
-        dumps = 0 if recorder.last_dump is None else 1
     return Counters(transport.rank, transport.world_size, peers,
-                    collectives=recorder.recorded, flight_dumps=int(dumps),
+                    collectives=recorder.recorded, flight_dumps=recorder.dumps,
                     tracing=recorder.trace is not None)
 
 

@@ -91,6 +91,8 @@ class Recorder:
         """Per transport rank: collectives whose last wait was for that rank."""
         self._last_error_dump = -ERROR_DUMP_INTERVAL
         self.last_dump: Path | None = None
+        self.dumps = 0
+        """Flight-recorder dumps written so far."""
 
     # -- collectives (hot path) ----------------------------------------------------------
 
@@ -202,6 +204,7 @@ class Recorder:
                            self.rank, target, exc)
             return None
         self.last_dump = path
+        self.dumps += 1
         logger.warning("netdist: rank %d wrote its flight record (%s) to %s", self.rank,
                        trigger, path)
         return path

@@ -72,6 +72,7 @@ from netdist.errors import (
     TransportClosedError,
     UndeliveredError,
 )
+from netdist.trace.metrics_server import MetricsServer, start_metrics_from_env
 from netdist.trace.signals import install_dump_signal
 from netdist.trace.tracer import KIND_RECV, KIND_SEND
 from netdist.transport.admission import AdmissionControl, Release, raise_nofile_limit
@@ -168,6 +169,8 @@ class TcpTransport(Transport):
         self._undelivered: dict[int, int] = {}
         """Per peer, the bytes a close could not deliver (see ``aclose``)."""
         self._monitor_task: asyncio.Task[Any] | None = None
+        self._metrics: MetricsServer | None = None
+        """The Prometheus endpoint (``NETDIST_METRICS_PORT``), if asked for."""
         self._lost: dict[int, tuple[LossOrigin, bool]] = {}
         """Per lost peer, in the order lost: who went away first, and whether that loss
         can explain this rank leaving (not a clean BYE, not a drop decided here)."""
@@ -196,6 +199,7 @@ class TcpTransport(Transport):
         self = cls(config)
         try:
             await self._establish(on_coordinator_ready)
+            self._metrics = await start_metrics_from_env(self)
         except BaseException:
             await self.aclose()
             raise
@@ -836,6 +840,8 @@ class TcpTransport(Transport):
             task.cancel()
 
     async def _finish_close(self) -> None:
+        if self._metrics is not None:
+            await self._metrics.aclose()
         if self._server is not None:
             await close_listener(self._server)
         tasks = list(self._tasks)
