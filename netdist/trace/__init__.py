@@ -6,14 +6,17 @@
 - The flight recorder is always on: the last ``NETDIST_FLIGHT_RECORDS`` collectives of
   each rank, dumped as JSON when a collective fails on a lost peer or a deadline, on
   ``SIGUSR1`` and on ``dump_flight_record``.
+- ``counters(transport)``: bytes, messages, waits and TCP retransmissions per peer, also
+  served in Prometheus' text format under ``NETDIST_METRICS_PORT``.
 - ``netdist trace merge | summary | why`` read them (``netdist.trace.analysis``).
 
 See docs/tracing.md.
 """
 
 from netdist.trace.control import dump_flight_record, recorder_of, start_trace, stop_trace
+from netdist.trace.counters import Counters, PeerCounters, counters
 from netdist.trace.recorder import Recorder
 from netdist.trace.settings import TraceSettings
 
-__all__ = ["Recorder", "TraceSettings", "dump_flight_record", "recorder_of", "start_trace",
-           "stop_trace"]
+__all__ = ["Counters", "PeerCounters", "Recorder", "TraceSettings", "counters",
+           "dump_flight_record", "recorder_of", "start_trace", "stop_trace"]
