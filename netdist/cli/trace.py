@@ -2,8 +2,11 @@
 
 ::
 
-    netdist trace merge DIR [-o OUT]              one chrome://tracing / Perfetto file of
-                                                  every rank (default DIR/merged.trace.json)
+    netdist trace merge DIR [-o OUT] [--html OUT.html]
+                                                  one chrome://tracing / Perfetto file of
+                                                  every rank (default DIR/merged.trace.json);
+                                                  --html: also the offline viewer page with
+                                                  the merged trace embedded
     netdist trace summary DIR [--plot OUT.png] [--json]
                                                   collectives, stragglers, link bandwidth
     netdist trace why DIR                         from the flight-recorder dumps: which rank
@@ -37,6 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("dir", metavar="DIR", help="directory with rank_*.trace.json")
     p.add_argument("-o", "--output", metavar="OUT", default=None,
                    help="merged file (default: DIR/merged.trace.json)")
+    p.add_argument("--html", metavar="OUT.html", default=None,
+                   help="also write the viewer page with the merged trace embedded (one "
+                        "file that opens offline in any browser)")
     p = commands.add_parser("summary", help="collectives, stragglers and link bandwidth")
     p.add_argument("dir", metavar="DIR", help="directory with rank_*.trace.json")
     p.add_argument("--plot", metavar="OUT.png", default=None,
@@ -50,38 +56,56 @@ def run(args: argparse.Namespace) -> int:
     """Run ``netdist trace ACTION``; returns the exit status."""
     action: str = args.trace_command
     if action == "merge":
-        return _merge(Path(args.dir), args.output)
+        return _merge(Path(args.dir), args.output, args.html)
     if action == "summary":
         return _summary(Path(args.dir), args.plot, as_json=args.json)
     return _why(Path(args.dir))
 
 
-def _merge(directory: Path, output: str | None) -> int:
+def _merge(directory: Path, output: str | None, html: str | None = None) -> int:
     from netdist.trace.analysis import load_trace_dir, merge
 
+    out = Path(output) if output is not None else directory / "merged.trace.json"
+    page = Path(html) if html is not None else None
+    _check_output(out)
+    if page is not None:
+        _check_output(page)
     trace_set = load_trace_dir(directory)
     merged = merge(trace_set)
-    out = Path(output) if output is not None else directory / "merged.trace.json"
     _write_json(out, merged)
     missing = trace_set.missing_ranks
     note = f"; missing ranks {', '.join(map(str, missing))}" if missing else ""
-    print(f"wrote {out}: {len(merged['traceEvents'])} events of "
-          f"{len(trace_set.ranks)} ranks{note}")
+    what = f"{len(merged['traceEvents'])} events of {len(trace_set.ranks)} ranks{note}"
+    print(f"wrote {out}: {what}")
+    if page is not None:
+        from netdist.trace.viewer import render_viewer
+
+        _write_text(page, render_viewer(merged))
+        print(f"wrote {page}: viewer of {what}")
     return 0
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    """Write ``obj`` to ``path`` through a temporary file, so a reader never sees half."""
+def _check_output(path: Path) -> None:
+    """A ConfigError (usage, exit 2) when ``path`` cannot be written as a file."""
     from netdist.errors import ConfigError
 
     if path.is_dir():
         raise ConfigError(f"output {path} is a directory")
     if not path.parent.is_dir():
         raise ConfigError(f"output directory {path.parent} does not exist")
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` to ``path`` through a temporary file, so a reader never sees half."""
+    _write_text(path, json.dumps(obj) + "\n")
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, so a reader never sees half."""
+    _check_output(path)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh)
-        fh.write("\n")
+        fh.write(text)
     os.replace(tmp, path)
 
 
