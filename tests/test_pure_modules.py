@@ -70,6 +70,12 @@ PURE = [
     "netdist.ray.places",
     "netdist.trace.schema",
     "netdist.trace.analysis",
+    "netdist.trace.clock",
+    "netdist.trace.settings",
+    "netdist.trace.recorder",
+    "netdist.trace.tracer",
+    "netdist.trace.control",
+    "netdist.trace.viewer",
 ]
 """The PURE modules of DESIGN.md ("Layers"), and those the ps and parallel packages declare
 PURE in their docstrings; ``pkg.*`` is a package and all its modules."""

@@ -22,7 +22,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -233,7 +232,7 @@ class Recorder:
         return {
             "format": "netdist-flight", "version": 1, "rank": self.rank,
             "world_size": self.world_size, "job_id": self.job_id,
-            "host": socket.gethostname(), "pid": os.getpid(), "written_unix": time.time(),
+            "host": os.uname().nodename, "pid": os.getpid(), "written_unix": time.time(),
             "now_us": (time.monotonic_ns() + offset) / 1000.0,
             "clock": self.clock.describe(), "trigger": trigger,
             "error": None if error is None else {

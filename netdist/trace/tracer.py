@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from array import array
 from collections.abc import Iterator
@@ -155,7 +154,7 @@ class TraceBuffer:
                                   "tid": 0, "args": {"sort_index": self.rank}}))
             other = {"format": "netdist-trace", "version": 1, "rank": self.rank,
                      "world_size": self.world_size, "job_id": self.job_id,
-                     "host": host or socket.gethostname(), "pid": os.getpid(),
+                     "host": host or os.uname().nodename, "pid": os.getpid(),
                      "clock": clock.describe(), "started_unix": self.started_unix,
                      "events": written, "dropped": 0}
             out.write('\n],"displayTimeUnit":"ms","otherData":')
@@ -176,7 +175,7 @@ class TraceBuffer:
 
     def _metadata(self, host: str | None) -> Iterator[str]:
         pid = self.rank
-        name = f"rank {self.rank} ({host or socket.gethostname()})"
+        name = f"rank {self.rank} ({host or os.uname().nodename})"
         yield json.dumps({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                           "args": {"name": name}})
         tracks = {TID_COLLECTIVES: "collectives", TID_CONNECTIONS: "connections"}
