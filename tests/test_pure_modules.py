@@ -68,6 +68,7 @@ PURE = [
     "netdist.ray.places",
     "netdist.trace.schema",
     "netdist.trace.analysis",
+    "netdist.trace.stragglers",
 ]
 """The PURE modules of DESIGN.md ("Layers"), and those the ps and parallel packages declare
 PURE in their docstrings; ``pkg.*`` is a package and all its modules."""
