@@ -721,6 +721,13 @@ class TcpTransport(Transport):
                        max(0, min(claimed, ended_ns) - started_ns), 0, 0, 0))
         return message
 
+    def message_ready(self, src: int, *, tag: int) -> bool:
+        """Whether a message from ``src`` on ``tag`` has arrived whole, so ``recv`` returns
+        it at once. Unlike a ``recv``, asking neither connects to ``src`` nor counts as
+        waiting on it (a peer that leaves is not blamed for cutting this rank short)."""
+        box = self._mailboxes[self._peer_index(src, "src")]
+        return box is not None and box.ready(tag)
+
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Dissemination barrier (ceil(log2 n) rounds); ``NetdistTimeoutError`` on timeout."""
         self.check_open("barrier")
