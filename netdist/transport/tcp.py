@@ -73,6 +73,7 @@ from netdist.errors import (
     UndeliveredError,
 )
 from netdist.trace.signals import install_dump_signal
+from netdist.trace.straggler_monitor import StragglerMonitor, start_straggler_monitor
 from netdist.trace.tracer import KIND_RECV, KIND_SEND
 from netdist.transport.admission import AdmissionControl, Release, raise_nofile_limit
 from netdist.transport.dissemination import dissemination_barrier
@@ -168,6 +169,8 @@ class TcpTransport(Transport):
         self._undelivered: dict[int, int] = {}
         """Per peer, the bytes a close could not deliver (see ``aclose``)."""
         self._monitor_task: asyncio.Task[Any] | None = None
+        self._straggler: StragglerMonitor | None = None
+        """The live straggler report (``netdist.trace.straggler_monitor``), when on."""
         self._lost: dict[int, tuple[LossOrigin, bool]] = {}
         """Per lost peer, in the order lost: who went away first, and whether that loss
         can explain this rank leaving (not a clean BYE, not a drop decided here)."""
@@ -244,6 +247,7 @@ class TcpTransport(Transport):
         if self._eager:
             await self._connect_mesh(table, loop.time() + config.join_timeout)
         self._monitor_task = self._spawn(self._monitor(), "heartbeat monitor")
+        self._straggler = start_straggler_monitor(self)
 
     async def _connect_mesh(self, table: tuple[PeerAddress, ...], deadline: float) -> None:
         """Connect to every lower rank; wait for every higher rank to connect to us."""
@@ -841,8 +845,12 @@ class TcpTransport(Transport):
                 box.fail(closed_error)
         for task in list(self._tasks):
             task.cancel()
+        if self._straggler is not None:
+            self._straggler.stop()
 
     async def _finish_close(self) -> None:
+        if self._straggler is not None:
+            await self._straggler.wait_stopped()
         if self._server is not None:
             await close_listener(self._server)
         tasks = list(self._tasks)
