@@ -10,9 +10,11 @@ without it). A rank is a straggler of a group when it was last in at least ``sha
 group's recent collectives (a window of at least ``min_collectives``); its lateness is
 the median ``late_by`` over the collectives where it was last.
 
-Two ranks that arrive at the very same nanosecond both arrived last: such a collective
-counts in the window but for no rank (``late_by`` would be 0). Groups of one rank have no
-second arrival and are not judged.
+A tie for last goes to the lower rank, late by 0, as the offline summary
+(``netdist.trace.analysis.arrivals``) has it. Groups of one rank have no second arrival
+and are not judged. Unlike that summary, which judges each rank over every collective of
+the trace, the window judges each group on its own (a rank late in one group only is
+named there).
 
 Memory is bounded however long the job runs and whatever ranks fail to report: per group
 the last ``window`` complete collectives and at most ``max_incomplete`` incomplete ones
@@ -72,7 +74,7 @@ class _Group:
     ranks: tuple[int, ...]
     members: frozenset[int]
     done: deque[tuple[int, int]]
-    """(last rank or -1 for a tie, late_by ns) of the newest complete collectives."""
+    """(last rank, late_by ns) of the newest complete collectives."""
     pending: dict[int, dict[int, int]] = field(default_factory=dict)
     """seq -> {rank: arrival ns} of collectives not every member has reported yet."""
 
@@ -152,8 +154,7 @@ class StragglerWindow:
                 continue
             late: dict[int, list[int]] = {}
             for last, late_by in group.done:
-                if last >= 0:
-                    late.setdefault(last, []).append(late_by)
+                late.setdefault(last, []).append(late_by)
             named = []
             for rank, lateness in late.items():
                 if len(lateness) < share * total:
@@ -178,10 +179,8 @@ class StragglerWindow:
 
 
 def _judge(arrivals: dict[int, int]) -> tuple[int, int]:
-    """(last rank, late_by ns) of one complete collective (two arrivals or more); -1
-    when two tie for last."""
+    """(last rank, late_by ns) of one complete collective (two arrivals or more); a tie
+    for last goes to the lower rank."""
     (last_rank, last), (_, second) = heapq.nlargest(2, arrivals.items(),
-                                                    key=lambda item: item[1])
-    if last == second:
-        return -1, 0
+                                                    key=lambda item: (item[1], -item[0]))
     return last_rank, last - second

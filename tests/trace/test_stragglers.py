@@ -73,18 +73,18 @@ def test_late_by_is_measured_from_the_second_latest_arrival() -> None:
     assert window.stragglers() == [Straggler(3, G, 10, 10, 55.0, 4)]
 
 
-def test_a_tie_for_last_counts_for_nobody() -> None:
+def test_a_tie_for_last_goes_to_the_lower_rank_late_by_0() -> None:
     window = StragglerWindow()
     window.set_group(G, (0, 1, 2))
-    for seq in range(10):
-        feed(window, seq, {0: 0, 1: 9 * MS, 2: 9 * MS})
-    assert window.complete(G) == 10
-    assert window.stragglers() == []
-    # ties in the window still count in its size: 5 of 15 is a third
-    for seq in range(10, 15):
+    for seq in range(10):  # as the offline summary has it (analysis.arrivals)
+        feed(window, seq, {0: 0, 2: 9 * MS, 1: 9 * MS})
+    assert window.stragglers() == [Straggler(1, G, 10, 10, 0.0, 3)]
+    assert window.stragglers(min_late_ms=0.001) == []
+    for seq in range(10, 20):  # rank 2 last by 1 ms: half of the window each
         feed(window, seq, {0: 0, 1: 9 * MS, 2: 10 * MS})
-    assert window.stragglers() == []
-    assert window.stragglers(share=1 / 3) == [Straggler(2, G, 5, 15, 1.0, 3)]
+    assert window.stragglers() == [Straggler(1, G, 10, 20, 0.0, 3),
+                                   Straggler(2, G, 10, 20, 1.0, 3)]
+    assert window.stragglers(min_late_ms=0.5) == [Straggler(2, G, 10, 20, 1.0, 3)]
 
 
 def test_incomplete_collectives_are_not_judged_until_every_member_arrived() -> None:
