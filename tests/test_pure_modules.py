@@ -76,6 +76,7 @@ PURE = [
     "netdist.trace.tracer",
     "netdist.trace.control",
     "netdist.trace.viewer",
+    "netdist.trace.stragglers",
 ]
 """The PURE modules of DESIGN.md ("Layers"), and those the ps and parallel packages declare
 PURE in their docstrings; ``pkg.*`` is a package and all its modules."""

@@ -7,8 +7,13 @@
   else ``<tmp>/netdist-flight/<job id>``).
 - ``NETDIST_TRACE_BUFFER=N``: trace records held in memory before they are spilled to a
   side file (default 262144, about 20 MiB).
-- ``NETDIST_STRAGGLER_REPORT=SECONDS``: log the rank that keeps arriving last at most this
-  often (default 60; 0 turns the live report off).
+- ``NETDIST_STRAGGLER_REPORT=SECONDS``: run the live straggler report
+  (``netdist.trace.straggler_monitor``) and log the rank that keeps arriving last at most
+  this often. Off unless set above 0, or tracing from the start (``NETDIST_TRACE``), where
+  it logs at most every 60 s; 0 turns it off even then. Off by default because it sends
+  one small message per rank per second to rank 0 (in lazy-connect mode, over a
+  connection to rank 0 the job might not otherwise open), which changes the byte counts
+  a job measures.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ DEFAULT_FLIGHT_RECORDS = 2000
 DEFAULT_TRACE_BUFFER = 262_144
 """Trace records (80 bytes each) kept in memory before a spill to the side file."""
 DEFAULT_STRAGGLER_REPORT_SECONDS = 60.0
-"""Least time between two live straggler log lines of one rank."""
+"""Least time between two live straggler log lines when tracing turned the report on."""
 
 TRACE_VARIABLES: frozenset[str] = frozenset({
     "NETDIST_TRACE", "NETDIST_FLIGHT_RECORDS", "NETDIST_FLIGHT_DIR", "NETDIST_TRACE_BUFFER",
@@ -56,7 +61,8 @@ class TraceSettings:
     flight_dir: Path | None = None
     """Where flight-recorder dumps go; ``None``: ``dump_dir()`` decides."""
     trace_buffer: int = DEFAULT_TRACE_BUFFER
-    straggler_report_seconds: float = DEFAULT_STRAGGLER_REPORT_SECONDS
+    straggler_report_seconds: float | None = None
+    """``NETDIST_STRAGGLER_REPORT``: ``None`` when not set (see ``straggler_interval``)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> TraceSettings:
@@ -70,8 +76,16 @@ class TraceSettings:
             flight_records=int(_parse(env, _FLIGHT_RECORDS, DEFAULT_FLIGHT_RECORDS)),
             flight_dir=Path(flight_dir) if flight_dir else None,
             trace_buffer=int(_parse(env, _TRACE_BUFFER, DEFAULT_TRACE_BUFFER)),
-            straggler_report_seconds=float(_parse(env, _STRAGGLER_REPORT,
-                                                  DEFAULT_STRAGGLER_REPORT_SECONDS)))
+            straggler_report_seconds=_parse_optional(env, _STRAGGLER_REPORT))
+
+    @property
+    def straggler_interval(self) -> float:
+        """Least seconds between two live straggler log lines; 0: the live report is off.
+        ``NETDIST_STRAGGLER_REPORT`` when set, else ``DEFAULT_STRAGGLER_REPORT_SECONDS``
+        when tracing from the start, else off."""
+        if self.straggler_report_seconds is not None:
+            return self.straggler_report_seconds
+        return DEFAULT_STRAGGLER_REPORT_SECONDS if self.trace_dir is not None else 0.0
 
     def dump_dir(self, job_id: str) -> Path:
         """Where this rank's flight-recorder dumps go: ``flight_dir``, else the trace
@@ -82,6 +96,11 @@ class TraceSettings:
             return self.trace_dir
         safe = re.sub(r"[^A-Za-z0-9._-]+", "_", job_id).strip("._") or "job"
         return Path(tempfile.gettempdir()) / "netdist-flight" / safe
+
+
+def _parse_optional(env: Mapping[str, str], setting: NumberSetting) -> float | None:
+    text = (env.get(setting.variable or "") or "").strip()
+    return None if not text else setting.parse(text)
 
 
 def _parse(env: Mapping[str, str], setting: NumberSetting, default: float) -> float:

@@ -191,6 +191,15 @@ class PeerMailbox:
         queue = self._posted.get(tag)
         return queue is not None and any(not entry.future.done() for entry in queue)
 
+    def ready(self, tag: int) -> bool:
+        """True if the next message on ``tag`` has arrived whole: a ``recv`` returns it at
+        once, without posting a receive (so without waiting on the peer)."""
+        queue = self._unexpected.get(tag)
+        if not queue:
+            return False
+        head = queue[0]
+        return head.done() and not head.cancelled() and head.exception() is None
+
     def claim(self, tag: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> Landing:
         """Reserve the destination for the next frame on ``tag`` (header already decoded)."""
         nbytes = math.prod(shape) * dtype.itemsize

@@ -74,6 +74,7 @@ from netdist.errors import (
 )
 from netdist.trace.metrics_server import MetricsServer, start_metrics_from_env
 from netdist.trace.signals import install_dump_signal
+from netdist.trace.straggler_monitor import StragglerMonitor, start_straggler_monitor
 from netdist.trace.tracer import KIND_RECV, KIND_SEND
 from netdist.transport.admission import AdmissionControl, Release, raise_nofile_limit
 from netdist.transport.dissemination import dissemination_barrier
@@ -171,6 +172,8 @@ class TcpTransport(Transport):
         self._monitor_task: asyncio.Task[Any] | None = None
         self._metrics: MetricsServer | None = None
         """The Prometheus endpoint (``NETDIST_METRICS_PORT``), if asked for."""
+        self._straggler: StragglerMonitor | None = None
+        """The live straggler report (``netdist.trace.straggler_monitor``), when on."""
         self._lost: dict[int, tuple[LossOrigin, bool]] = {}
         """Per lost peer, in the order lost: who went away first, and whether that loss
         can explain this rank leaving (not a clean BYE, not a drop decided here)."""
@@ -248,6 +251,7 @@ class TcpTransport(Transport):
         if self._eager:
             await self._connect_mesh(table, loop.time() + config.join_timeout)
         self._monitor_task = self._spawn(self._monitor(), "heartbeat monitor")
+        self._straggler = start_straggler_monitor(self)
 
     async def _connect_mesh(self, table: tuple[PeerAddress, ...], deadline: float) -> None:
         """Connect to every lower rank; wait for every higher rank to connect to us."""
@@ -725,6 +729,13 @@ class TcpTransport(Transport):
                        max(0, min(claimed, ended_ns) - started_ns), 0, 0, 0))
         return message
 
+    def message_ready(self, src: int, *, tag: int) -> bool:
+        """Whether a message from ``src`` on ``tag`` has arrived whole, so ``recv`` returns
+        it at once. Unlike a ``recv``, asking neither connects to ``src`` nor counts as
+        waiting on it (a peer that leaves is not blamed for cutting this rank short)."""
+        box = self._mailboxes[self._peer_index(src, "src")]
+        return box is not None and box.ready(tag)
+
     async def barrier(self, *, timeout: float | None = None) -> None:
         """Dissemination barrier (ceil(log2 n) rounds); ``NetdistTimeoutError`` on timeout."""
         self.check_open("barrier")
@@ -838,10 +849,14 @@ class TcpTransport(Transport):
                 box.fail(closed_error)
         for task in list(self._tasks):
             task.cancel()
+        if self._straggler is not None:
+            self._straggler.stop()
 
     async def _finish_close(self) -> None:
         if self._metrics is not None:
             await self._metrics.aclose()
+        if self._straggler is not None:
+            await self._straggler.wait_stopped()
         if self._server is not None:
             await close_listener(self._server)
         tasks = list(self._tasks)
