@@ -144,6 +144,40 @@ def _job(args: argparse.Namespace, mode: str, scratch: Path) -> tuple[dict[str, 
     return json.loads(out.read_text()), size
 
 
+def recorder_cost(calls: int = 200_000) -> dict[str, float]:
+    """Nanoseconds the recorder adds per collective call (flight recorder alone, and with
+    the trace), and per traced message: the same bookkeeping the job does, timed in a
+    tight loop on this process, so the figure has no scheduling noise in it."""
+    from netdist.trace.recorder import Recorder
+    from netdist.trace.settings import TraceSettings
+    from netdist.trace.tracer import KIND_RECV
+
+    ranks = (0, 1, 2, 3)
+    cost: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as where:
+        for label, flight, traced in (("none", 0, False), ("flight", 2000, False),
+                                      ("trace", 2000, True)):
+            recorder = Recorder(0, 4, settings=TraceSettings(flight_records=flight))
+            if traced:
+                recorder.start_trace(where)
+            began = time.perf_counter_ns()
+            for seq in range(calls):
+                if flight or traced:
+                    record = recorder.begin(7, ranks, seq, "all_reduce", 0, 4096, "ring")
+                    recorder.end(record, "ok", 1)
+            cost[label] = (time.perf_counter_ns() - began) / calls
+            if traced:
+                trace = recorder.trace
+                began = time.perf_counter_ns()
+                for seq in range(calls):
+                    trace.add((KIND_RECV, seq, seq + 5, 1, 42, 4096, 2, 0, 0, 0))
+                cost["message"] = (time.perf_counter_ns() - began) / calls
+                recorder.trace.discard()
+                recorder.trace = None
+    return {"flight": cost["flight"] - cost["none"], "trace": cost["trace"] - cost["none"],
+            "message": cost["message"]}
+
+
 def _free_port() -> int:
     import socket
 
@@ -201,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:>10}  {_time(med['off'])}  {_time(med['flight'])}  "
               f"{_time(med['trace'])}  {100 * (med['flight'] / med['off'] - 1):+10.2f}%  "
               f"{100 * (med['trace'] / med['off'] - 1):+9.2f}%")
+    cost = recorder_cost()
+    print(f"recorder cost, timed alone: flight recorder {cost['flight']:.0f} ns per "
+          f"collective; tracing {cost['trace']:.0f} ns per collective + "
+          f"{cost['message']:.0f} ns per traced send or receive")
     if trace_bytes:
         per_thousand = statistics.median(
             size / args.ranks / (count / 1000) for size, count in trace_bytes)

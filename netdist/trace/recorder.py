@@ -30,7 +30,7 @@ from typing import Any
 
 from netdist.trace.clock import ClockAlignment
 from netdist.trace.settings import TraceSettings
-from netdist.trace.tracer import KIND_COLLECTIVE, TraceBuffer
+from netdist.trace.tracer import TraceBuffer
 
 __all__ = ["Recorder", "flight_file_name", "OpState", "ERROR_DUMP_INTERVAL", "ROUTE_FIELD"]
 
@@ -118,10 +118,8 @@ class Recorder:
         trace = self.trace
         if trace is not None:
             gid = record[_GID]
-            trace.add((KIND_COLLECTIVE, record[_T0], record[_T1],
-                       trace.group_code(gid, self.groups[gid]), record[_SEQ],
-                       record[_BYTES], trace.code(record[_OP]), trace.code(record[_ROUTE]),
-                       trace.code(state), waited_on))
+            trace.collective(record[_T0], ended, gid, self.groups[gid], record[_SEQ],
+                             record[_BYTES], record[_OP], record[_ROUTE], state, waited_on)
         if self.on_end is not None:
             self.on_end(record)
 

@@ -97,6 +97,29 @@ class TraceBuffer:
             self.groups[found] = (f"{gid:#018x}", ranks)
         return found
 
+    def collective(self, t0: int, t1: int, gid: int, ranks: tuple[int, ...], seq: int,
+                   nbytes: int, op: str, route: str, state: str, waited_on: int) -> None:
+        """Append one collective call (the hot path of a traced job: one method call, the
+        names looked up in one dict)."""
+        names = self._names
+        group = self._group_index.get(gid)
+        if group is None:
+            group = self.group_code(gid, ranks)
+        op_code = names.get(op)
+        if op_code is None:
+            op_code = self.code(op)
+        route_code = names.get(route)
+        if route_code is None:
+            route_code = self.code(route)
+        state_code = names.get(state)
+        if state_code is None:
+            state_code = self.code(state)
+        records = self.records
+        records.extend((KIND_COLLECTIVE, t0, t1, group, seq, nbytes, op_code, route_code,
+                        state_code, waited_on))
+        if len(records) >= self._limit:
+            self._spill_now()
+
     def add(self, record: tuple[int, ...]) -> None:
         """Append one record of ``FIELDS`` integers; spill when the buffer is full."""
         records = self.records
