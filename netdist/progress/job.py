@@ -31,6 +31,7 @@ from netdist.progress.handle import Handle
 from netdist.progress.loops import LoopFactory
 from netdist.progress.proxy import Awaiting, Blocking, unwrap, unwrap_arguments
 from netdist.progress.thread import ProgressThread
+from netdist.trace.signals import install_dump_signal
 from netdist.transport.bootstrap import cut_for_user
 from netdist.transport.rendezvous import OnCoordinatorReady
 from netdist.transport.tcp import TcpTransport
@@ -99,6 +100,9 @@ class Job:
         except BaseException:
             progress.close()
             raise
+        # the transport was made on the progress thread; signal handlers are set from the
+        # caller's (usually the main) thread, so SIGUSR1 dumps this rank's flight recorder
+        install_dump_signal(transport.recorder)
         return cls(progress, transport, group)
 
     # -- driving objects on the progress thread ------------------------------------------

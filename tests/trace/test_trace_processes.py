@@ -130,3 +130,18 @@ def test_the_survivors_dumps_name_the_stopped_rank_and_the_operation(tmp_path: P
         stuck_at.append((stuck[-1]["seq"], stuck[-1]["op"]))
     seq, op = min(stuck_at)
     assert f"{op} seq {seq}" in text, text
+
+
+def test_sigusr1_dumps_a_blocking_rank_s_flight_recorder(tmp_path: Path) -> None:
+    dump_dir = tmp_path / "flight"
+    procs = start_ranks(2, "tests.trace._signal_member", [], timeout=30.0,
+                        env={"NETDIST_FLIGHT_DIR": str(dump_dir)})
+    results = finish_ranks(procs, 60.0)
+    assert [r.returncode for r in results] == [0, 0], [p.text() for p in procs]
+    path = dump_dir / "flight_rank_00000.json"
+    assert f"dumped {path}" in procs[0].text()
+    record = json.loads(path.read_text())
+    assert record["trigger"] == "signal" and record["error"] is None
+    assert [(op["op"], op["seq"], op["state"]) for op in record["operations"]] == [
+        ("all_reduce", 0, "ok")]
+    assert not (dump_dir / "flight_rank_00001.json").exists()
