@@ -152,18 +152,18 @@ def recorder_cost(calls: int = 200_000) -> dict[str, float]:
     from netdist.trace.settings import TraceSettings
     from netdist.trace.tracer import KIND_RECV
 
-    ranks = (0, 1, 2, 3)
     cost: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as where:
         for label, flight, traced in (("none", 0, False), ("flight", 2000, False),
                                       ("trace", 2000, True)):
             recorder = Recorder(0, 4, settings=TraceSettings(flight_records=flight))
+            recorder.register_group(7, (0, 1, 2, 3))
             if traced:
                 recorder.start_trace(where)
             began = time.perf_counter_ns()
             for seq in range(calls):
                 if flight or traced:
-                    record = recorder.begin(7, ranks, seq, "all_reduce", 0, 4096, "ring")
+                    record = recorder.begin(7, seq, "all_reduce", 0, 4096, "ring")
                     recorder.end(record, "ok", 1)
             cost[label] = (time.perf_counter_ns() - began) / calls
             if traced:

@@ -139,6 +139,7 @@ class Group:
         self._plans: dict[tuple[Any, ...], Any] = {}
         self._scratch = ScratchPool()
         self._recorder = transport.recorder
+        self._recorder.register_group(gid, ranks)
         self._calls = Calls(transport, ranks, self._describe())
         self._subgroups: list[Group] = []
         self._closed = False
@@ -308,8 +309,8 @@ class Group:
         chan = Channel(self._transport, self._ranks, self._rank, tag,
                        self._timeout if deadline is None else deadline, op, self._plans,
                        self._scratch)
-        chan.record = self._recorder.begin(self._gid, self._ranks, seq, op, self._rank,
-                                           nbytes, self._ops.take_planned())
+        chan.record = self._recorder.begin(self._gid, seq, op, self._rank, nbytes,
+                                           self._ops.take_planned())
         return chan
 
     async def _submit(self, op: str, body: Callable[[Channel], Awaitable[T]],

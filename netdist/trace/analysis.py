@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from netdist.errors import TraceError
+from netdist.trace.stragglers import last_arrival
 from netdist.trace.schema import (
     FLIGHT_FORMAT,
     FORMAT_VERSION,
@@ -301,13 +302,13 @@ def arrivals(calls: Iterable[CollectiveCall]) -> list[Arrival]:
         by_key[(call.group, call.seq)].append(call)
     result = []
     for (group, seq), members in by_key.items():
-        ordered = sorted(members, key=lambda c: (c.arrival_us, -c.rank))
         last_rank: int | None = None
         late_by: float | None = None
-        if len(ordered) >= 2:
-            last_rank = ordered[-1].rank
-            late_by = ordered[-1].arrival_us - ordered[-2].arrival_us
-        result.append(Arrival(group, seq, ordered[-1].op, tuple(sorted(c.rank for c in members)),
+        if len(members) >= 2:
+            last_rank, late_by = last_arrival({c.rank: c.arrival_us for c in members})
+        op = next(c.op for c in members if c.rank == last_rank) if last_rank is not None \
+            else members[0].op
+        result.append(Arrival(group, seq, op, tuple(sorted(c.rank for c in members)),
                               max(c.group_size for c in members), last_rank, late_by))
     first = {key: min(c.arrival_us for c in members) for key, members in by_key.items()}
     result.sort(key=lambda a: (first[(a.group, a.seq)], a.group, a.seq))

@@ -76,7 +76,7 @@ class Recorder:
         self.recorded = 0
         """Collective calls recorded since the start (the ring keeps the newest)."""
         self.groups: dict[int, tuple[int, ...]] = {}
-        """Group id -> transport ranks, of every group that issued a call."""
+        """Group id -> transport ranks, of every group made over the transport."""
         self.trace: TraceBuffer | None = None
         """The trace being recorded, or ``None``."""
         self.peer_status: Callable[[], dict[int, str]] = dict
@@ -95,11 +95,14 @@ class Recorder:
 
     # -- collectives (hot path) ----------------------------------------------------------
 
-    def begin(self, gid: int, ranks: tuple[int, ...], seq: int, op: str, group_rank: int,
-              nbytes: int, route: str) -> list[Any]:
-        """Record a collective call as it is issued; the record to pass to ``end``."""
-        if gid not in self.groups:
-            self.groups[gid] = ranks
+    def register_group(self, gid: int, ranks: tuple[int, ...]) -> None:
+        """Make the group ``gid`` (transport ``ranks``) known, once, before its calls."""
+        self.groups[gid] = ranks
+
+    def begin(self, gid: int, seq: int, op: str, group_rank: int, nbytes: int,
+              route: str) -> list[Any]:
+        """Record a call of the registered group ``gid`` as it is issued; the record to
+        pass to ``end``."""
         record = [gid, seq, op, group_rank, nbytes, route, time.monotonic_ns(), 0,
                   OpState.IN_FLIGHT, -1]
         self.ring.append(record)
@@ -238,7 +241,3 @@ class Recorder:
                 "peer": getattr(error, "rank", None)},
             "capacity": self.settings.flight_records, "recorded": self.recorded,
             "groups": groups, "peers": peers, "operations": operations}
-
-    def close(self) -> Path | None:
-        """Finish the trace if one is running (its path)."""
-        return self.stop_trace()

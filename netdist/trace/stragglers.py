@@ -27,11 +27,14 @@ from __future__ import annotations
 import heapq
 import statistics
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-__all__ = ["Straggler", "StragglerWindow", "describe", "DEFAULT_WINDOW",
+__all__ = ["Straggler", "StragglerWindow", "describe", "last_arrival", "DEFAULT_WINDOW",
            "DEFAULT_MAX_INCOMPLETE", "DEFAULT_MAX_GROUPS"]
+
+T = TypeVar("T", int, float)
 
 DEFAULT_WINDOW = 200
 """Complete collectives kept per group: the window the definition judges."""
@@ -137,7 +140,7 @@ class StragglerWindow:
         if len(arrivals) < len(group.members):
             return False
         del group.pending[seq]
-        group.done.append(_judge(arrivals))
+        group.done.append(last_arrival(arrivals))
         self.completed += 1
         return True
 
@@ -178,9 +181,11 @@ class StragglerWindow:
         return 0 if group is None else len(group.done)
 
 
-def _judge(arrivals: dict[int, int]) -> tuple[int, int]:
-    """(last rank, late_by ns) of one complete collective (two arrivals or more); a tie
-    for last goes to the lower rank."""
+def last_arrival(arrivals: Mapping[int, T]) -> tuple[int, T]:
+    """(last rank, late_by) of one collective from its members' arrival times (two or
+    more, any unit): late_by is the last arrival minus the second latest, and a tie for
+    last goes to the lower rank. The one definition the live report and the offline
+    summary (``netdist.trace.analysis.arrivals``) share."""
     (last_rank, last), (_, second) = heapq.nlargest(2, arrivals.items(),
                                                     key=lambda item: (item[1], -item[0]))
     return last_rank, last - second
