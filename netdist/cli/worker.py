@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = ["add_parser", "run", "add_training_flags", "config_from_args", "training_argv"]
 
-_AGGREGATORS = ("ring", "topk", "fp16", "ps", "ps-sharded", "ps-async")
+_AGGREGATORS = ("ring", "topk", "fp16", "ps", "ps-sharded", "ps-async", "diloco", "local-sgd")
 
 _EPILOG = """\
 aggregators:
@@ -68,6 +68,22 @@ def add_training_flags(parser: argparse.ArgumentParser) -> None:
                    help="all-reduce bucket size in MiB (default 25)")
     g.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="bound on every collective (default: the transport's timeout)")
+    d = parser.add_argument_group("periodic synchronisation (--aggregator diloco | local-sgd)")
+    d.add_argument("--sync-every", type=int, default=50, metavar="H",
+                   help="inner steps between synchronisations (default 50)")
+    d.add_argument("--quantize", default=None, metavar="Q",
+                   help="exchange in int8 or int4 (also int8:absmax, int4:minmax:256; "
+                        "default: float32)")
+    d.add_argument("--fragments", type=int, default=1, metavar="F",
+                   help="streaming: fragments synchronised at staggered steps (default 1)")
+    d.add_argument("--fragment-sync-delay", type=int, default=0, metavar="D",
+                   help="streaming: steps a fragment's exchange runs behind (default 0)")
+    d.add_argument("--fragment-mixing", type=float, default=0.0, metavar="A",
+                   help="streaming: weight of the local fragment when the global one "
+                        "lands (default 0)")
+    d.add_argument("--outer-lr", type=float, default=0.7, help="diloco outer lr (default 0.7)")
+    d.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="diloco outer Nesterov momentum (default 0.9)")
     p = parser.add_argument_group("pipeline parallelism")
     p.add_argument("--pipeline-stages", type=int, default=0, metavar="P",
                    help="split the MLP into P pipeline stages, one per rank; the world size "
@@ -106,7 +122,10 @@ def config_from_args(args: argparse.Namespace) -> DemoConfig:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, pipeline_stages=args.pipeline_stages,
         micro_batches=args.micro_batches, schedule=args.schedule,
-        pipeline_balance=args.pipeline_balance,
+        pipeline_balance=args.pipeline_balance, sync_every=args.sync_every,
+        quantize=args.quantize, fragments=args.fragments,
+        fragment_sync_delay=args.fragment_sync_delay, fragment_mixing=args.fragment_mixing,
+        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
     )
 
 
@@ -119,6 +138,13 @@ def training_argv(args: argparse.Namespace) -> list[str]:
         "--hidden", str(args.hidden), "--topk-ratio", repr(args.topk_ratio),
         "--bucket-mb", repr(args.bucket_mb),
     ]
+    if args.aggregator in ("diloco", "local-sgd"):
+        argv += ["--sync-every", str(args.sync_every), "--fragments", str(args.fragments),
+                 "--fragment-sync-delay", str(args.fragment_sync_delay),
+                 "--fragment-mixing", repr(args.fragment_mixing),
+                 "--outer-lr", repr(args.outer_lr), "--outer-momentum", repr(args.outer_momentum)]
+        if args.quantize:
+            argv += ["--quantize", args.quantize]
     if args.timeout is not None:
         argv += ["--timeout", repr(args.timeout)]
     if args.checkpoint_dir is not None:

@@ -123,7 +123,10 @@ __all__ = [
     "train_worker",
 ]
 
-AGGREGATOR_CHOICES = ("ring", "topk", "fp16", "ps", "ps-sharded", "ps-async")
+AGGREGATOR_CHOICES = ("ring", "topk", "fp16", "ps", "ps-sharded", "ps-async", "diloco",
+                      "local-sgd")
+_PERIODIC_MODES = ("diloco", "local-sgd")
+"""Modes that synchronise every ``sync_every`` steps (``netdist.parallel.diloco``)."""
 _SERVER_MODES = ("ps-sharded", "ps-async")
 PIPELINE_BALANCE_CHOICES = ("params", "layers")
 """How ``--pipeline-stages`` cuts the MLP: equal parameter counts or equal layer counts."""
@@ -161,6 +164,18 @@ class DemoConfig:
     """Pipeline schedule, ``gpipe`` or ``1f1b`` (pipelined runs only)."""
     pipeline_balance: str = "params"
     """Cut the MLP into stages by ``params`` (equal parameter counts) or ``layers``."""
+    sync_every: int = 50
+    """``diloco`` / ``local-sgd``: inner steps between synchronisations (DiLoCo's H)."""
+    quantize: str | None = None
+    """``diloco`` / ``local-sgd``: exchange in ``int8`` or ``int4`` (``Quantization.parse``)."""
+    fragments: int = 1
+    """``diloco`` / ``local-sgd``: streaming fragments."""
+    fragment_sync_delay: int = 0
+    """``diloco`` / ``local-sgd``: steps a fragment's exchange runs behind."""
+    fragment_mixing: float = 0.0
+    """``diloco`` / ``local-sgd``: weight of the local fragment when the global one lands."""
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
 
     def __post_init__(self) -> None:
         if self.aggregator not in AGGREGATOR_CHOICES:
@@ -187,6 +202,12 @@ class DemoConfig:
             raise ConfigError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
             raise ConfigError("--resume and --checkpoint-every need --checkpoint-dir")
+        if self.checkpoint_dir and self.aggregator in _PERIODIC_MODES:
+            raise ConfigError(f"--aggregator {self.aggregator} keeps a global model and outer "
+                              "optimizer the demo does not checkpoint yet; use ring, topk, "
+                              "fp16 or ps")
+        if self.aggregator in _PERIODIC_MODES:
+            self.periodic_config()
         if self.checkpoint_dir and self.aggregator in _SERVER_MODES:
             raise ConfigError(f"--aggregator {self.aggregator} keeps the parameters on the "
                               "servers and cannot checkpoint; use ring, topk, fp16 or ps")
@@ -194,6 +215,17 @@ class DemoConfig:
             raise ConfigError(f"timeout must be a finite number of seconds > 0, got "
                               f"{self.timeout}")
         self._check_pipeline()
+
+    def periodic_config(self) -> Any:
+        """The ``DiLoCoConfig`` of the ``diloco`` / ``local-sgd`` modes (checked)."""
+        from netdist.parallel.diloco import DiLoCoConfig
+
+        return DiLoCoConfig(sync_every=self.sync_every, outer_lr=self.outer_lr,
+                            outer_momentum=self.outer_momentum,
+                            nesterov=self.outer_momentum > 0, quantization=self.quantize,
+                            fragments=self.fragments,
+                            fragment_sync_delay=self.fragment_sync_delay,
+                            fragment_mixing=self.fragment_mixing, timeout=self.timeout)
 
     @property
     def num_layers(self) -> int:
@@ -293,6 +325,9 @@ class UpdatePath:
     compressor: TopKCompressor | None = None
     serve: Callable[[], Awaitable[Any]] | None = None
     close: Callable[[], Awaitable[Any]] | None = None
+    finish: Callable[[], Awaitable[Any]] | None = None
+    """Run once after the last step, before the model is evaluated (the ``diloco`` modes'
+    last synchronisation)."""
 
 
 UpdateFactory = Callable[["Group", Sequential, DemoConfig], Awaitable[UpdatePath]]
@@ -379,6 +414,47 @@ async def _ps_hook(group: Group, model: Sequential, config: DemoConfig) -> Updat
                       group.rank == 0, close=hooks.close)
 
 
+class _PeriodicAggregator:
+    """The aggregator of the ``diloco`` / ``local-sgd`` modes: nothing per step (each rank
+    steps on its own gradients); its bytes and exposed time are the periodic exchanges'."""
+
+    def __init__(self, sync: Any) -> None:
+        self.sync = sync
+
+    @property
+    def bytes_sent(self) -> int:
+        return int(self.sync.bytes_sent)
+
+    @property
+    def exposed_seconds(self) -> float:
+        return float(sum(r.exposed_s for r in self.sync.records))
+
+    async def aggregate(self, grads: list[np.ndarray]) -> list[np.ndarray]:
+        return grads
+
+
+async def _periodic(group: Group, model: Sequential, config: DemoConfig) -> UpdatePath:
+    """``diloco`` / ``local-sgd``: local SGD steps, synchronised every ``sync_every``."""
+    from netdist.parallel.diloco import DiLoCo, LocalSGD
+
+    optimizer, sgd = _local_sgd(model, config)
+    cls = LocalSGD if config.aggregator == "local-sgd" else DiLoCo
+    periodic = config.periodic_config()
+    sync = cls(group, model.parameters(), periodic)
+
+    async def apply(grads: list[np.ndarray]) -> None:
+        sgd(grads)
+        await sync.step()
+
+    async def finish() -> None:
+        await sync.finish()
+        if periodic.fragments > 1 or sync.inner_step % periodic.sync_every:
+            await sync.sync_now()  # every rank ends on the same (global) model
+
+    return UpdatePath(_PeriodicAggregator(sync), apply, group.rank, group.world_size,
+                      group.rank == 0, optimizer, finish=finish)
+
+
 def update_factories() -> dict[str, UpdateFactory]:
     """``--aggregator`` name -> factory. A fresh dict: callers may add or replace modes."""
     return {
@@ -388,6 +464,8 @@ def update_factories() -> dict[str, UpdateFactory]:
         "ps": _ps_sync,
         "ps-sharded": _ps_hook,
         "ps-async": _ps_hook,
+        "diloco": _periodic,
+        "local-sgd": _periodic,
     }
 
 
@@ -426,7 +504,13 @@ class _TimedAggregator:
 
     def __init__(self, inner: GradientAggregator) -> None:
         self.inner = inner
-        self.seconds = 0.0
+        self._seconds = 0.0
+
+    @property
+    def seconds(self) -> float:
+        """Seconds waited for communication: in ``aggregate``, plus what a periodic mode
+        waited for its exchanges."""
+        return self._seconds + float(getattr(self.inner, "exposed_seconds", 0.0))
 
     @property
     def bytes_sent(self) -> int:
@@ -441,7 +525,7 @@ class _TimedAggregator:
         try:
             return await self.inner.aggregate(grads)
         finally:
-            self.seconds += time.perf_counter() - start
+            self._seconds += time.perf_counter() - start
 
 
 class _TimedOverlap:
@@ -483,7 +567,7 @@ class _TimedSession:
             averaged: list[np.ndarray] = await self.session.finish(grads)
             return averaged
         finally:
-            self.timed.seconds += time.perf_counter() - start
+            self.timed._seconds += time.perf_counter() - start
 
 
 def _human_bytes(n: float) -> str:
@@ -779,6 +863,8 @@ async def _train(group: Group, config: DemoConfig, dataset: Dataset, model: Sequ
     if config.checkpoint_dir and step != last_saved:
         await checkpoint(config.epochs, 0)
 
+    if path.finish is not None:
+        await path.finish()
     accuracy = evaluate(model, dataset.x_test, dataset.y_test)
     if say:
         say(f"final test accuracy: {accuracy:.1%}")
