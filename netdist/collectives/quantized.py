@@ -73,7 +73,7 @@ as any failed collective does.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -126,6 +126,8 @@ class _Exchanged:
     input_bad: bool  # this rank's contribution was out of range
     from_ranks: list[int]  # members whose contribution to the owned shard was poisoned
     bad_owners: list[int]  # all_reduce: members whose re-quantized shard was poisoned
+    records: list[tuple[str, np.ndarray, np.ndarray]] = field(default_factory=list)
+    """Error-feedback residuals to record once the whole call has succeeded."""
 
 
 class QuantizedReducer:
@@ -214,6 +216,7 @@ class QuantizedReducer:
             if done.bad_owners:
                 raise QuantizationError(_spoiled_message(what, key, done.bad_owners, done,
                                                          self.group.rank))
+            self._commit(done)
         else:
             flat[...] = await self._two_level_all_reduce(self._hierarchy, flat, key,
                                                          divisor, deadline)
@@ -242,6 +245,7 @@ class QuantizedReducer:
             done = await self._two_level_reduce_scatter(self._hierarchy, flat, key, divisor,
                                                         deadline)
         _raise_scattered(done, what, key, self.group.rank)
+        self._commit(done)
         return done.reduced
 
     # -- the algorithms ------------------------------------------------------------------
@@ -292,6 +296,7 @@ class QuantizedReducer:
             done.input_bad = done.input_bad or not _in_range(flat)
             raise QuantizationError(_spoiled_message("QuantizedReducer.all_reduce", key,
                                                      spoiled, done, self.group.rank))
+        self._commit(done)
         return result
 
     async def _exchange(self, g: Group, data: np.ndarray, bounds: Bounds, key: str,
@@ -330,10 +335,10 @@ class QuantizedReducer:
                 if divisor > 1:
                     divide_into(reduced, divisor)
         done = _Exchanged(reduced, input_bad, from_ranks, [])
-        clean = not input_bad and not from_ranks
         if decoded is None:
-            if feedback is not None and clean:
-                feedback.record(key, sent_input, _decode_all(sends, bounds, q, data.size))
+            if feedback is not None and not input_bad and not from_ranks:
+                done.records.append((key, sent_input,
+                                     _decode_all(sends, bounds, q, data.size)))
             return done
 
         owner_key = key + REDUCED_SUFFIX
@@ -357,10 +362,15 @@ class QuantizedReducer:
         sent_decoded = None if feedback is None else _decode_all(sends, bounds, q, data.size)
         for j, (lo, hi) in enumerate(bounds):
             dequantize(pieces[j], hi - lo, q, out=decoded[lo:hi])
-        if feedback is not None and sent_decoded is not None:
-            feedback.record(key, sent_input, sent_decoded)
-            feedback.record(owner_key, requantize_input, decoded[own_lo:own_hi])
+        if sent_decoded is not None:
+            done.records.append((key, sent_input, sent_decoded))
+            done.records.append((owner_key, requantize_input, decoded[own_lo:own_hi].copy()))
         return done
+
+    def _commit(self, done: _Exchanged) -> None:
+        """Record the residuals of a call that succeeded on this rank."""
+        for key, sent_input, sent_decoded in done.records:
+            self.feedback.record(key, sent_input, sent_decoded)
 
     def _start(self, what: str) -> _Deadline:
         if not self.group.is_member:
