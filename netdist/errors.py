@@ -38,6 +38,9 @@ escape to callers.
     ├── PipelineError                       invalid pipeline configuration or schedule
     ├── TraceError (ValueError)             a trace file or flight-recorder dump is missing,
     │                                       truncated or breaks the format (names the file)
+    ├── QuantizationError (ValueError)      a value to quantize is NaN, infinite or beyond
+    │                                       +-2**126 (names where); quantized collectives
+    │                                       raise it on every rank the bad value reached
     └── CheckpointError
         ├── CheckpointNotFoundError         no complete checkpoint / missing shard file
         ├── CheckpointCorruptError          checksum mismatch, truncated or unreadable file
@@ -79,6 +82,7 @@ __all__ = [
     "FSDPError",
     "PipelineError",
     "TraceError",
+    "QuantizationError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
@@ -256,6 +260,12 @@ class TraceError(NetdistError, ValueError):
     def __init__(self, message: str, path: str | None = None) -> None:
         self.path = path
         super().__init__(message)
+
+
+class QuantizationError(NetdistError, ValueError):
+    """A value to quantize (``netdist.compression.quantize``) is NaN, infinite or beyond
+    ``+-2**126``, where int8/int4 codes with float32 scales cannot represent it. The
+    message names the element (or, from a quantized collective, the ranks and shards)."""
 
 
 class CheckpointError(NetdistError):

@@ -1,6 +1,7 @@
 """Collectives over any ``Transport``: ``Group`` (all_reduce, reduce_scatter, all_gather,
 broadcast, gather, scatter, reduce, barrier, monitored_barrier, object collectives, p2p
-and recv_any), subgroups and ``Work`` handles for overlapped communication.
+and recv_any), subgroups and ``Work`` handles for overlapped communication;
+``QuantizedReducer`` for int8 / int4 all-reduce and reduce-scatter.
 
 ::
 
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 _EXPORTS: dict[str, str] = {
     "Group": "netdist.collectives.group",
     "Work": "netdist.collectives.work",
+    "QuantizedReducer": "netdist.collectives.quantized",
     "DeviceMesh": "netdist.collectives.mesh",
     "CollectiveMismatchError": "netdist.errors",
     "DEFAULT_SMALL_MESSAGE_BYTES": "netdist.collectives.routes",
@@ -34,6 +36,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "Group",
     "Work",
+    "QuantizedReducer",
     "DeviceMesh",
     "CollectiveMismatchError",
     "DEFAULT_SMALL_MESSAGE_BYTES",
@@ -44,6 +47,7 @@ __all__ = [
 if TYPE_CHECKING:
     from netdist.collectives.group import P2P_TAG_LIMIT, Group
     from netdist.collectives.mesh import DeviceMesh
+    from netdist.collectives.quantized import QuantizedReducer
     from netdist.collectives.routes import DEFAULT_SEGMENT_BYTES, DEFAULT_SMALL_MESSAGE_BYTES
     from netdist.collectives.work import Work
     from netdist.errors import CollectiveMismatchError

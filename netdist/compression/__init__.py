@@ -1,4 +1,6 @@
-"""PURE gradient compression: top-k sparsification with error feedback, float16 casts.
+"""PURE gradient compression: top-k sparsification with error feedback, float16 casts,
+int8 / int4 quantization with per-chunk scales (``quantize``; the collectives that put
+it on the wire are ``netdist.collectives.QuantizedReducer``).
 
 Nothing here does I/O; the aggregators in ``netdist.parallel`` put the compressed form
 on the wire.
@@ -21,6 +23,12 @@ _EXPORTS: dict[str, str] = {
     "Fp16Compressor": "netdist.compression.fp16",
     "cast_to_fp16": "netdist.compression.fp16",
     "FP16_MAX": "netdist.compression.fp16",
+    "Quantization": "netdist.compression.quantize",
+    "Scaling": "netdist.compression.quantize",
+    "quantize": "netdist.compression.quantize",
+    "dequantize": "netdist.compression.quantize",
+    "error_bound": "netdist.compression.quantize",
+    "ErrorFeedback": "netdist.compression.quantize",
 }
 
 __all__ = [
@@ -34,10 +42,24 @@ __all__ = [
     "Fp16Compressor",
     "cast_to_fp16",
     "FP16_MAX",
+    "Quantization",
+    "Scaling",
+    "quantize",
+    "dequantize",
+    "error_bound",
+    "ErrorFeedback",
 ]
 
 if TYPE_CHECKING:
     from netdist.compression.fp16 import FP16_MAX, Fp16Compressor, cast_to_fp16
+    from netdist.compression.quantize import (
+        ErrorFeedback,
+        Quantization,
+        Scaling,
+        dequantize,
+        error_bound,
+        quantize,
+    )
     from netdist.compression.topk import (
         CompressedGradient,
         TopKCompressor,
