@@ -12,7 +12,10 @@ round, the order alternating from round to round.
 ``diloco``     DiLoCo, ``H = --sync-every`` inner steps (SGD with momentum), outer
                Nesterov SGD, exchanges quantized to ``--quantize`` (int8);
 ``streaming``  the same with ``--fragments`` fragments (4), each exchange running behind
-               ``--delay`` inner steps.
+               ``--delay`` inner steps;
+``blocking``   streaming's schedule with every exchange collected at once (delay 0);
+``local``      the same training with no exchange until the last step (``H`` = every
+               step of the run): what the inner steps alone cost.
 
 Per mode: the wall time of training (rank 0, first step to the final synchronisation),
 the final test accuracy (rank 0; every rank holds the same model), the bytes that
@@ -20,6 +23,9 @@ crossed host links (``Transport.traffic()``: every rank's wire bytes sent to ran
 other hosts, handshakes and heartbeats included, from before the first step to the end),
 and for the periodic modes the exchanges' time on the event loop against the time the
 training waited for them: ``hidden = 1 - waited / exchange`` (per rank, then the median).
+With ``blocking`` and ``local`` in the run, the same share is also read off the wall
+times: ``1 - (streaming - local) / (blocking - local)``, what streaming added to the
+inner steps' time against what the same exchanges add when nothing hides them.
 
 Targets (issue 34, 2x2 at 100 Mbit/s): DiLoCo (H=50, int8) moves at most 1/100 of the
 cross-host bytes of per-step data parallelism, ends within 1 point of its accuracy and
@@ -51,7 +57,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-MODES = ("dp", "diloco", "streaming")
+MODES = ("dp", "diloco", "streaming", "blocking", "local")
 BYTES_TARGET = 1 / 100
 ACCURACY_POINTS = 1.0
 WALL_TARGET = 5.0
@@ -72,9 +78,11 @@ def mode_config(spec: dict[str, Any]) -> Any:
     periodic = dict(aggregator="diloco", sync_every=spec["sync_every"],
                     quantize=spec["quantize"], outer_lr=spec["outer_lr"],
                     outer_momentum=spec["outer_momentum"], **common)
-    if spec["mode"] == "streaming":
-        periodic.update(fragments=spec["fragments"], fragment_sync_delay=spec["delay"],
-                        fragment_mixing=spec["mixing"])
+    if spec["mode"] in ("streaming", "blocking"):
+        periodic.update(fragments=spec["fragments"], fragment_mixing=spec["mixing"],
+                        fragment_sync_delay=spec["delay"] if spec["mode"] == "streaming" else 0)
+    if spec["mode"] == "local":
+        periodic.update(sync_every=1_000_000)  # only finish()'s last synchronisation
     return DemoConfig(**periodic)
 
 
@@ -178,7 +186,7 @@ def print_table(summary: dict[str, dict[str, Any]], args: argparse.Namespace) ->
 
 def judge(summary: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
     verdicts: list[tuple[str, bool]] = []
-    dp, diloco, streaming = (summary.get(m) for m in MODES)
+    dp, diloco, streaming, blocking, local = (summary.get(m) for m in MODES)
     if dp and diloco:
         ratio = diloco["cross_bytes"] / dp["cross_bytes"]
         verdicts.append((f"diloco cross-host bytes {ratio:.4f} of dp (1/{1 / ratio:.0f}); "
@@ -191,6 +199,13 @@ def judge(summary: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
         verdicts.append((f"diloco wall {diloco['seconds']:.2f} s vs dp {dp['seconds']:.2f} s "
                          f"({speed:.1f}x shorter); target >= {WALL_TARGET:g}x",
                          speed >= WALL_TARGET))
+    if streaming and blocking and local and blocking["seconds"] > local["seconds"]:
+        share = 1 - ((streaming["seconds"] - local["seconds"])
+                     / (blocking["seconds"] - local["seconds"]))
+        verdicts.append((f"streaming by wall time: {streaming['seconds']:.2f} s, blocking "
+                         f"{blocking['seconds']:.2f} s, no exchanges {local['seconds']:.2f} s: "
+                         f"{share:.1%} of the exchanges' time hidden; target >= "
+                         f"{HIDDEN_TARGET:.0%}", share >= HIDDEN_TARGET))
     if streaming and streaming["hidden"] is not None:
         verdicts.append((f"streaming hides {streaming['hidden']:.1%} of its synchronisation "
                          f"time; target >= {HIDDEN_TARGET:.0%}",
