@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "connect": "netdist.elastic.blocking",
     "SyncReport": "netdist.elastic.transfer",
     "ElasticDataParallel": "netdist.elastic.torch_data_parallel",
+    "ElasticDiLoCo": "netdist.elastic.diloco",
 }
 
 __all__ = list(_EXPORTS)
@@ -42,6 +43,7 @@ __all__ = list(_EXPORTS)
 if TYPE_CHECKING:
     from netdist.elastic.blocking import BlockingElasticJob, BlockingStepContext, connect
     from netdist.elastic.config import ElasticConfig
+    from netdist.elastic.diloco import ElasticDiLoCo
     from netdist.elastic.job import (
         ElasticJob,
         EpochChange,

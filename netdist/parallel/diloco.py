@@ -62,7 +62,7 @@ from netdist.types import ReduceOp
 if TYPE_CHECKING:
     from netdist.compression.quantize import Quantization
 
-__all__ = ["DiLoCo", "DiLoCoConfig", "LocalSGD", "SyncRecord"]
+__all__ = ["DiLoCo", "DiLoCoConfig", "LocalSGD", "SyncRecord", "param_array"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +143,7 @@ class _Fragment:
                 for o, g in zip(self.offsets, self.global_copy)]
 
 
-def _array_of(param: Any, index: int) -> np.ndarray:
+def param_array(param: Any, index: int) -> np.ndarray:
     """The live NumPy array behind one parameter (a view for tensors and Parameters)."""
     if isinstance(param, np.ndarray):
         return param
@@ -176,7 +176,7 @@ class DiLoCo:
         self._params = list(params)
         if not self._params:
             raise ConfigError("DiLoCo got an empty parameter list")
-        arrays = [_array_of(p, i) for i, p in enumerate(self._params)]
+        arrays = [param_array(p, i) for i, p in enumerate(self._params)]
         for i, a in enumerate(arrays):
             if a.dtype not in (np.float32, np.float64):
                 raise ConfigError(f"DiLoCo parameter {i}: float32 or float64 parameters "
@@ -346,7 +346,7 @@ class DiLoCo:
     def _local(self, frag: _Fragment) -> list[np.ndarray]:
         arrays = []
         for i, g in zip(frag.indices, frag.global_copy):
-            a = _array_of(self._params[i], i)
+            a = param_array(self._params[i], i)
             if a.shape != g.shape or a.dtype != g.dtype:
                 raise ConfigError(f"DiLoCo fragment {frag.index}: a parameter changed from "
                                   f"{g.shape} {g.dtype} to {a.shape} {a.dtype}")

@@ -107,6 +107,23 @@ class OuterSGD:
         self._buffers = {k: [np.array(b, copy=True) for b in bufs]
                          for k, bufs in state.get("buffers", {}).items()}
 
+    def adopt_buffers(self, key: str, arrays: Sequence[np.ndarray]) -> None:
+        """Use ``arrays`` (live, updated in place) as the momentum buffers of ``key``.
+
+        For state kept elsewhere, e.g. an elastic job's ``ElasticState``: the arrays are
+        not copied, so what the owner loads into them is the momentum the next step uses.
+        Zeros are the state before the first step. ``load_state_dict`` replaces them with
+        copies (the link is then gone).
+        """
+        buffers = list(arrays)
+        for i, b in enumerate(buffers):
+            if not isinstance(b, np.ndarray):
+                raise ConfigError(f"outer momentum {key!r}[{i}] must be a numpy.ndarray, "
+                                  f"got {type(b).__name__}")
+            if not b.flags.writeable:
+                raise ConfigError(f"outer momentum {key!r}[{i}] is read-only")
+        self._buffers[key] = buffers
+
     def buffers(self, key: str) -> list[np.ndarray] | None:
         """The momentum buffers of ``key`` (live arrays; None before its first step)."""
         return self._buffers.get(key)
