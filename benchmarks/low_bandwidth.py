@@ -15,7 +15,11 @@ round, the order alternating from round to round.
                ``--delay`` inner steps;
 ``blocking``   streaming's schedule with every exchange collected at once (delay 0);
 ``local``      the same training with no exchange until the last step (``H`` = every
-               step of the run): what the inner steps alone cost.
+               step of the run): what the inner steps alone cost;
+``fp16``, ``topk``  per-step data parallelism in float16, or top-k 1% with error feedback
+               (not run by default);
+``local-sgd``  the parameters averaged every ``H`` steps, quantized the same way (not run
+               by default).
 
 Per mode: the wall time of training (rank 0, first step to the final synchronisation),
 the final test accuracy (rank 0; every rank holds the same model), the bytes that
@@ -57,7 +61,8 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-MODES = ("dp", "diloco", "streaming", "blocking", "local")
+MODES = ("dp", "diloco", "streaming", "blocking", "local", "fp16", "topk", "local-sgd")
+DEFAULT_MODES = ("dp", "diloco", "streaming", "blocking", "local")
 BYTES_TARGET = 1 / 100
 ACCURACY_POINTS = 1.0
 WALL_TARGET = 5.0
@@ -73,9 +78,9 @@ def mode_config(spec: dict[str, Any]) -> Any:
     common = dict(epochs=spec["epochs"], batch_size=spec["batch_size"], lr=spec["lr"],
                   momentum=0.9, seed=spec["seed"], hidden=tuple(spec["hidden"]),
                   timeout=spec["op_timeout"])
-    if spec["mode"] == "dp":
-        return DemoConfig(aggregator="ring", **common)
-    periodic = dict(aggregator="diloco", sync_every=spec["sync_every"],
+    if spec["mode"] in ("dp", "fp16", "topk"):
+        return DemoConfig(aggregator={"dp": "ring"}.get(spec["mode"], spec["mode"]), **common)
+    periodic = dict(aggregator="local-sgd" if spec["mode"] == "local-sgd" else "diloco", sync_every=spec["sync_every"],
                     quantize=spec["quantize"], outer_lr=spec["outer_lr"],
                     outer_momentum=spec["outer_momentum"], **common)
     if spec["mode"] in ("streaming", "blocking"):
@@ -177,8 +182,9 @@ def print_table(summary: dict[str, dict[str, Any]], args: argparse.Namespace) ->
           f"{'exchanges':>9} {'exchange (s)':>12} {'waited (s)':>10} {'hidden':>7}")
     for mode, row in summary.items():
         hidden = "-" if row["hidden"] is None else f"{row['hidden']:.1%}"
-        exch = "-" if mode == "dp" else f"{row['exchange_s']:.3f}"
-        waited = "-" if mode == "dp" else f"{row['exposed_s']:.3f}"
+        periodic = row["exchanges"] > 0
+        exch = f"{row['exchange_s']:.3f}" if periodic else "-"
+        waited = f"{row['exposed_s']:.3f}" if periodic else "-"
         print(f"{mode:>10} {row['seconds']:>9.2f} {row['accuracy']:>9.1%} "
               f"{_human(row['cross_bytes']):>17} {row['exchanges']:>9} {exch:>12} "
               f"{waited:>10} {hidden:>7}")
@@ -186,7 +192,7 @@ def print_table(summary: dict[str, dict[str, Any]], args: argparse.Namespace) ->
 
 def judge(summary: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
     verdicts: list[tuple[str, bool]] = []
-    dp, diloco, streaming, blocking, local = (summary.get(m) for m in MODES)
+    dp, diloco, streaming, blocking, local = (summary.get(m) for m in DEFAULT_MODES)
     if dp and diloco:
         ratio = diloco["cross_bytes"] / dp["cross_bytes"]
         verdicts.append((f"diloco cross-host bytes {ratio:.4f} of dp (1/{1 / ratio:.0f}); "
@@ -217,7 +223,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layout", default="2x2", help="HxR: hosts x ranks per host (default 2x2)")
     p.add_argument("--rate-mbit", type=float, default=100.0)
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"from {', '.join(MODES)} (default {','.join(DEFAULT_MODES)})")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=32)
