@@ -5,6 +5,8 @@ Kept local so the parameter-server tests depend on nothing above ``netdist.ps``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 
@@ -99,3 +101,15 @@ def dyadic_grads(worker: int, step: int) -> list[np.ndarray]:
         ints = (np.arange(n) + 7 * worker + 3 * step) % 5 + 1
         grads.append((3.0 * ints / 8.0).reshape(shape))
     return grads
+
+
+def dyadic_result(applied: Iterable[tuple[int, int]], workers: int,
+                  lr: float) -> list[np.ndarray]:
+    """The order-free model after the pushes ``(worker, step)`` in ``applied``, as servers
+    running SGD with ``lr`` and averaging over ``workers`` apply them (any order gives
+    these exact values)."""
+    params = dyadic_params()
+    for worker, step in applied:
+        for p, g in zip(params, dyadic_grads(worker, step)):
+            p -= lr * (g / workers)
+    return params

@@ -7,10 +7,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from netdist.ps import AdamConfig, PSClient, PSServer, SGDConfig
+from netdist.ps import AdamConfig, PSClient, PSServer, SGDConfig, WorkerLoss
 from netdist.ps.staleness import WorkerState
-from tests.ps._model import init_mlp, mse_grads, regression_data, softmax_ce_grads
-from tests.ps.conftest import raise_any
+from netdist.transport import InProcessTransport
+from tests.ps._model import (
+    dyadic_grads,
+    dyadic_params,
+    dyadic_result,
+    init_mlp,
+    mse_grads,
+    regression_data,
+    softmax_ce_grads,
+)
+from tests.ps.conftest import raise_any, run_ranks
 from tests.ps.test_sharded import run_job
 
 SIZES = (6, 12, 3)
@@ -75,6 +84,61 @@ async def test_fully_async_lets_a_slow_worker_fall_far_behind() -> None:
     assert len(report.log) == 33 and report.version == 33  # every push applied alone
     slow = [e.staleness for e in report.log if e.worker == 1]
     assert slow and max(slow) >= 6
+
+
+async def init_dyadic(client: PSClient, lr: float) -> None:
+    """Asynchronous training of the order-free model that goes on without a lost worker."""
+    await client.init(dyadic_params(), optimizer=SGDConfig(lr=lr), max_staleness=None,
+                      bigarray_bound=200, worker_loss=WorkerLoss.CONTINUE)
+
+
+async def test_lost_workers_pushes_after_the_others_finished_apply_once() -> None:
+    """A lost worker's acknowledged pushes apply exactly once even when they come after
+    every other worker's last pull: asynchronous pushes wait for no one, so nothing
+    orders them before it, and the others' final parameters hold only what had applied
+    when their last pull was answered.
+
+    ``test_failover``'s lost-worker test meets this order on a loaded machine (the
+    worker it kills slowed down until the others had finished); here it is forced: the
+    lost worker pushes only once the server has seen the others finish, then goes away
+    without a word, as a killed process does.
+    """
+    steps, lost_at, lr = 6, 2, 0.5
+    transports = InProcessTransport.create_group(4, timeout=10.0)
+    server = PSServer(transports[0], num_servers=1)
+
+    async def survivor(index: int) -> tuple[tuple[int, ...], list[np.ndarray]]:
+        async with PSClient(transports[1 + index], num_servers=1) as client:
+            await init_dyadic(client, lr)
+            for step in range(steps):
+                params = await client.step(dyadic_grads(index, step))
+        return client.versions, params
+
+    async def lost() -> None:
+        client = PSClient(transports[1], num_servers=1)
+        await init_dyadic(client, lr)
+        await server.wait_until(lambda s: fast_finished(s, [1, 2]), timeout=5.0)
+        for step in range(lost_at):
+            await client.step(dyadic_grads(0, step))
+        await transports[1].aclose()  # no DONE: the server sees the peer lost
+
+    results = await run_ranks([server.run, lost, lambda: survivor(1), lambda: survivor(2)])
+    raise_any(results)
+    report = results[0]
+    survivors = [(w, t) for w in (1, 2) for t in range(steps)]
+    assert report.dropped == (1,)
+    assert report.version == len(survivors) + lost_at  # every push applied, once
+    assert [e.worker for e in report.log[-lost_at:]] == [0] * lost_at
+    # the last survivor to finish saw every survivor's push and none of the lost worker's
+    versions, params = max(results[2:], key=lambda r: r[0])
+    assert versions == (len(survivors),)
+    for got, want in zip(params, dyadic_result(survivors, 3, lr)):
+        np.testing.assert_array_equal(got, want)
+    # the server's own parameters hold the lost worker's late pushes too
+    plan = server.plan
+    assert plan is not None and server.params is not None
+    full = dyadic_result(survivors + [(0, t) for t in range(lost_at)], 3, lr)
+    np.testing.assert_array_equal(server.params, plan.pack(0, full))
 
 
 def load_digits_split() -> tuple[np.ndarray, ...]:
