@@ -60,6 +60,8 @@ PURE = [
     "netdist.parallel.fsdp_strategy",
     "netdist.parallel.fsdp_stats",
     "netdist.parallel.tp_layout",
+    "netdist.parallel.outer_optim",
+    "netdist.parallel.fragments",
     "netdist.checkpoint.metadata",
     "netdist.checkpoint.planner",
     "netdist.checkpoint.options",

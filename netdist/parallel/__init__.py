@@ -1,4 +1,4 @@
-"""Data parallelism (gradient aggregators), FSDP / ZeRO, tensor and pipeline parallelism.
+"""Data parallelism (gradient aggregators, DiLoCo), FSDP / ZeRO, tensor and pipeline parallelism.
 
 The aggregators (dense bucketed all-reduce, float16, top-k), ``FSDP`` and the NumPy
 tensor-parallel layers (``ColumnParallelLinear``, ``RowParallelLinear``,
@@ -6,7 +6,8 @@ tensor-parallel layers (``ColumnParallelLinear``, ``RowParallelLinear``,
 pipeline live in sibling modules (``netdist.parallel.fsdp``, ``.pipeline``, ``.stages``,
 ``.schedule``) and are imported from them directly. Names resolve on first use
 (``netdist._lazy``), so importing a PURE module of this package (``stages``,
-``schedule``, ``flat_param``, ``fsdp_strategy``, ``fsdp_stats``, ``tp_layout``) does not
+``schedule``, ``flat_param``, ``fsdp_strategy``, ``fsdp_stats``, ``tp_layout``,
+``outer_optim``, ``fragments``) does not
 load the aggregators, the collectives or ``asyncio``.
 """
 
@@ -31,6 +32,11 @@ _EXPORTS: dict[str, str] = {
     "ColumnParallelLinear": "netdist.parallel.tensor_parallel",
     "RowParallelLinear": "netdist.parallel.tensor_parallel",
     "VocabParallelEmbedding": "netdist.parallel.tensor_parallel",
+    "DiLoCo": "netdist.parallel.diloco",
+    "DiLoCoConfig": "netdist.parallel.diloco",
+    "LocalSGD": "netdist.parallel.diloco",
+    "SyncRecord": "netdist.parallel.diloco",
+    "OuterSGD": "netdist.parallel.outer_optim",
 }
 
 __all__ = list(_EXPORTS)
@@ -49,7 +55,9 @@ if TYPE_CHECKING:  # static analysers see the eager imports
         TopKAggregator,
         plan_buckets,
     )
+    from netdist.parallel.diloco import DiLoCo, DiLoCoConfig, LocalSGD, SyncRecord
     from netdist.parallel.fsdp import FSDP, ShardingStrategy
+    from netdist.parallel.outer_optim import OuterSGD
     from netdist.parallel.tensor_parallel import (
         ColumnParallelLinear,
         RowParallelLinear,

@@ -256,3 +256,43 @@ async def test_resume_with_another_model_names_every_parameter_and_shape(tmp_pat
         "(written with --hidden 128,64, this run has --hidden 32; resume with the same "
         "--hidden or use another --checkpoint-dir)"}
     assert not [line for line in lines if line.startswith("epoch")]
+
+
+@pytest.mark.parametrize("aggregator,quantize,fragments", [
+    ("diloco", "int8", 1), ("diloco", None, 4), ("local-sgd", "int4", 1)])
+async def test_periodic_modes_end_on_one_model_and_learn(aggregator, quantize, fragments):
+    """diloco / local-sgd: every rank ends with the same (global) model after the last
+    synchronisation, it has learnt, and the exchanges sent far less than per-step
+    all-reduce would (20 epochs x 12 steps of 4 ranks, H = 20)."""
+    lines: list[str] = []
+    config = DemoConfig(aggregator=aggregator, sync_every=20, quantize=quantize,
+                        fragments=fragments, fragment_sync_delay=2 if fragments > 1 else 0,
+                        outer_lr=1.0, outer_momentum=0.5)
+    results = await run_job(4, config, lines)
+    assert len({r.test_accuracy for r in results}) == 1
+    assert results[0].test_accuracy >= 0.93
+    assert results[0].steps == 20 * 12
+    params = 64 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10  # the MLP 64-128-64-10
+    dense = 20 * 12 * params * 4  # float32 gradients handed to a per-step all-reduce
+    assert 0 < results[0].bytes_sent < dense / 10
+    assert lines[-1] == f"final test accuracy: {results[0].test_accuracy:.1%}"
+
+
+def test_periodic_mode_flags_round_trip_and_are_checked():
+    parser = argparse.ArgumentParser()
+    add_training_flags(parser)
+    args = parser.parse_args(["--aggregator", "diloco", "--sync-every", "30", "--quantize",
+                              "int4:absmax", "--fragments", "3", "--fragment-sync-delay", "4",
+                              "--fragment-mixing", "0.5", "--outer-lr", "0.9",
+                              "--outer-momentum", "0.8"])
+    config = config_from_args(args)
+    assert config == DemoConfig(aggregator="diloco", sync_every=30, quantize="int4:absmax",
+                                fragments=3, fragment_sync_delay=4, fragment_mixing=0.5,
+                                outer_lr=0.9, outer_momentum=0.8)
+    assert config_from_args(parser.parse_args(training_argv(args))) == config
+    with pytest.raises(ConfigError, match="fragment_sync_delay"):
+        DemoConfig(aggregator="diloco", sync_every=10, fragments=2, fragment_sync_delay=5)
+    with pytest.raises(ConfigError, match="int3|bits"):
+        DemoConfig(aggregator="diloco", quantize="int3")
+    with pytest.raises(ConfigError, match="does not checkpoint"):
+        DemoConfig(aggregator="local-sgd", checkpoint_dir="/tmp/x")
