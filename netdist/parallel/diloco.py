@@ -328,7 +328,11 @@ class DiLoCo:
         return time.perf_counter() - started, sent
 
     async def _complete(self, frag: _Fragment, step: int) -> SyncRecord:
-        assert frag.pending is not None
+        if frag.pending is None:
+            raise NetdistError(f"DiLoCo fragment {frag.index}: the schedule collects an "
+                               f"exchange after step {step}, but none is in flight (was the "
+                               "step count changed, by load_state_dict, between a launch and "
+                               "its collection?)")
         waited = time.perf_counter()
         try:
             exchange_s, sent = await frag.pending
