@@ -18,12 +18,12 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 import netdist.elastic as elastic
 from netdist.elastic.state import state_digest
+from tests.elastic._plan import member_plan
 
 SAMPLES = 96
 FEATURES = 8
@@ -33,13 +33,8 @@ INNER_LR = 0.05
 
 
 def main() -> int:
-    slot = int(os.environ["NETDIST_ELASTIC_SLOT"])
-    out = Path(os.environ["ELASTIC_TEST_DIR"])
-    steps = int(os.environ.get("ELASTIC_TEST_STEPS", "20"))
-    pause = float(os.environ.get("ELASTIC_TEST_STEP_SECONDS", "0"))
-    die = os.environ.get("ELASTIC_TEST_DIE", "")
-    die_at = int(die.split(":")[1]) if die and os.environ.get("NETDIST_RESTART_COUNT") == "0" \
-        and os.environ.get("ELASTIC_TEST_DIE_SLOT", str(slot)) == str(slot) else -1
+    plan = member_plan(default_steps=20)
+    slot, out, steps, pause, die_at = plan.slot, plan.out, plan.steps, plan.pause, plan.die_at
     rng = np.random.default_rng(11)
     x = rng.standard_normal((SAMPLES, FEATURES))
     y = x @ rng.standard_normal(FEATURES) + 0.5 + 0.1 * rng.standard_normal(SAMPLES)

@@ -10,25 +10,20 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 import netdist.elastic as elastic
+from tests.elastic._plan import member_plan
 
 SAMPLES = 96
 GLOBAL_BATCH = 16
 
 
 def main() -> int:
-    slot = int(os.environ["NETDIST_ELASTIC_SLOT"])
-    out = Path(os.environ["ELASTIC_TEST_DIR"])
-    steps = int(os.environ.get("ELASTIC_TEST_STEPS", "30"))
-    pause = float(os.environ.get("ELASTIC_TEST_STEP_SECONDS", "0"))
-    die = os.environ.get("ELASTIC_TEST_DIE", "")
-    die_at = int(die.split(":")[1]) if die and os.environ.get("NETDIST_RESTART_COUNT") == "0" \
-        and os.environ.get("ELASTIC_TEST_DIE_SLOT", str(slot)) == str(slot) else -1
+    plan = member_plan(default_steps=30)
+    slot, out, steps, pause, die_at = plan.slot, plan.out, plan.steps, plan.pause, plan.die_at
     torch.manual_seed(0)
     x = torch.randn(SAMPLES, 6)
     y = (x.sum(dim=1, keepdim=True) > 0).float()
